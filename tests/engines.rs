@@ -1208,3 +1208,27 @@ fn each_engine_reduces_its_gradients_in_its_own_buckets_during_the_backward() {
     assert!(bucketed.stages.iter().all(|s| s.gradient_buckets.len() > 1));
     assert!(exposed(&bucketed) < exposed(&pipec), "{} against {}", exposed(&bucketed), exposed(&pipec));
 }
+
+/// FP8 training's storage defaults to the spec's engine's kernels: a torchtitan run that
+/// writes only `precision: fp8` is planned as torchao's `Float8Linear` runs it (bf16 inputs
+/// kept, no FP8 weight copies: the published run's own `fp8` line), a Megatron-LM one as
+/// Transformer Engine does (FP8 inputs, the weight copies kept); the importers read the same.
+#[test]
+fn fp8_storage_defaults_to_the_engines_kernels() {
+    use pipec_plan::plan::Fp8Plan;
+    use pipec_plan::vocab::Fp8Recipe;
+    let published = |run: &str| {
+        std::fs::read_to_string(root().join(format!("bench/specs/published-2025/{run}.yaml"))).expect("the spec")
+    };
+    let torchtitan = published("tt24-t1-8b-8g-fp8-compile");
+    let written = plan_of(&torchtitan);
+    let bare =
+        plan_of(&torchtitan.replace("  fp8: { recipe: tensorwise, activations: bf16, weight_copies: false }\n", ""));
+    assert_eq!(bare.training.fp8, written.training.fp8, "torchao's storage, as the published run writes it");
+    assert_eq!(bare.training.fp8, Some(Fp8Plan::of_engine(Engine::Torchtitan, Fp8Recipe::Tensorwise)));
+    assert_eq!(bare.devices[0].memory.total, written.devices[0].memory.total);
+    let megatron = plan_of(&published("mb2511-h100-llama38b-fp8cs-8g"));
+    let f = megatron.training.fp8.expect("FP8");
+    assert!(f.weight_copies && f.activations == pipec_plan::vocab::Fp8Storage::Fp8, "{f:?}");
+    assert_eq!(Some(f), Some(Fp8Plan::of_engine(Engine::Megatron, Fp8Recipe::Tensorwise)));
+}

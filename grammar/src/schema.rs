@@ -540,13 +540,14 @@ struct Fp8Spec {
     /// (Blackwell's MX blocks of 32).
     recipe: Option<pipec_plan::vocab::Fp8Recipe>,
     /// What the blocks' linear layers keep of their inputs for the weight gradients: `fp8`
-    /// (the default: Transformer Engine keeps the FP8 copy it multiplied) or `bf16`
-    /// (torchao's `Float8Linear`, as torchtitan runs it, keeps the bf16 input).
+    /// (Transformer Engine keeps the FP8 copy it multiplied) or `bf16` (torchao's
+    /// `Float8Linear`, as torchtitan runs it, keeps the bf16 input). Default: the engine's
+    /// (`bf16` under torchtitan, else `fp8`).
     activations: Option<pipec_plan::vocab::Fp8Storage>,
     /// Keep FP8 copies of every block weight (and its transpose) from a step's first
     /// microbatch to its update, as Transformer Engine does between Megatron-LM's
-    /// microbatches (default true): two bytes per weight. `false`: each copy is made for its
-    /// product and dropped (torchao).
+    /// microbatches: two bytes per weight. `false`: each copy is made for its product and
+    /// dropped (torchao). Default: the engine's (false under torchtitan, else true).
     weight_copies: Option<bool>,
     /// What `zero: 3` gathers the blocks' weights in: `bf16` (the default) or `fp8`
     /// (torchao's `enable_fsdp_float8_all_gather`, Megatron-LM's `--fp8-param-gather`):

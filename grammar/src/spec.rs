@@ -71,7 +71,8 @@ pub fn lower<'a>(src: &'a str, root: &Node, schema: &'a SchemaIndex, base_dir: O
         apply_engine_performance(&mut cx, &mut out.engine, cluster);
     }
     let strategy_node = section(&mut cx, "strategy");
-    out.training = section(&mut cx, "training").and_then(|(n, ks)| lower_training(&mut cx, n, ks));
+    let engine = out.engine.target.name;
+    out.training = section(&mut cx, "training").and_then(|(n, ks)| lower_training(&mut cx, n, ks, engine));
     if let (Some(model), Some(training)) = (&out.model, &out.training) {
         check_batch_size(&mut cx, model, training);
     }
@@ -931,7 +932,7 @@ fn lower_cluster(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Cluster
     })
 }
 
-fn lower_training(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Training> {
+fn lower_training(cx: &mut Lower<'_>, node: &Node, owner: Span, engine: pipec_plan::vocab::Engine) -> Option<Training> {
     let f = cx.fields(node, &["training"], owner)?;
     let batch_node = cx.required(&f, "batch_size", "training");
     let batch = batch_node.and_then(|n| cx.uint(n, rules::training_minimum("batch_size")));
@@ -950,7 +951,7 @@ fn lower_training(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Traini
     let (optimizer, state_precision) = (optimized.map(|o| o.0), optimized.map_or(Precision::Fp32, |o| o.1));
     let master_weights = optimized.map_or(Some(true), |o| o.2);
     let precision = trained.map(TrainingPrecision::values);
-    let fp8 = lower_fp8(cx, &f, if searched.is_some() { Some(TrainingPrecision::Fp8) } else { trained });
+    let fp8 = lower_fp8(cx, &f, if searched.is_some() { Some(TrainingPrecision::Fp8) } else { trained }, engine);
     let (fp8, precision_search) = match (searched, fp8) {
         (Some(span), Some(Some(fp8))) => (Some(None), Some(PrecisionSearch { span, fp8 })),
         (_, fp8) => (fp8, None),
@@ -1003,16 +1004,15 @@ fn lower_training(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Traini
 }
 
 /// `fp8`: how FP8 training runs (with `precision: fp8`; E0505 without). Its defaults are
-/// Transformer Engine's as Megatron-LM runs it: current (per-tensor) scaling, linear layers
-/// keeping their inputs in FP8, FP8 weight copies kept between microbatches, ZeRO-3
-/// gathering bf16 weights.
-fn lower_fp8(cx: &mut Lower<'_>, f: &Fields<'_>, trained: Option<TrainingPrecision>) -> Option<Option<Fp8Plan>> {
-    let default = Fp8Plan {
-        recipe: Fp8Recipe::default(),
-        activations: Fp8Storage::Fp8,
-        weight_copies: true,
-        gather: Fp8Storage::Bf16,
-    };
+/// current (per-tensor) scaling and the storage of the spec's engine
+/// ([`Fp8Plan::of_engine`]: Transformer Engine's, or torchao's under torchtitan).
+fn lower_fp8(
+    cx: &mut Lower<'_>,
+    f: &Fields<'_>,
+    trained: Option<TrainingPrecision>,
+    engine: pipec_plan::vocab::Engine,
+) -> Option<Option<Fp8Plan>> {
+    let default = Fp8Plan::of_engine(engine, Fp8Recipe::default());
     let Some(n) = f.get("fp8") else {
         return Some((trained? == TrainingPrecision::Fp8).then_some(default));
     };

@@ -354,6 +354,27 @@ pub struct Fp8Plan {
     pub gather: crate::vocab::Fp8Storage,
 }
 
+impl Fp8Plan {
+    /// FP8 training with `recipe` as `engine`'s kernels run it, where a spec or an engine's
+    /// configuration says no more: Transformer Engine's under Megatron-LM (and under pipec's
+    /// and DeepSpeed's plans) — linear layers keeping their FP8 inputs, FP8 weight copies kept
+    /// between microbatches; torchao's `Float8Linear` under torchtitan — the bf16 inputs
+    /// kept, the weights cast every pass. Both gather bf16 weights under ZeRO-3.
+    pub fn of_engine(engine: crate::vocab::Engine, recipe: crate::vocab::Fp8Recipe) -> Fp8Plan {
+        use crate::vocab::{Engine, Fp8Storage};
+        let torchao = match engine {
+            Engine::Torchtitan => true,
+            Engine::Megatron | Engine::Deepspeed | Engine::Pipec => false,
+        };
+        Fp8Plan {
+            recipe,
+            activations: if torchao { Fp8Storage::Bf16 } else { Fp8Storage::Fp8 },
+            weight_copies: !torchao,
+            gather: Fp8Storage::Bf16,
+        }
+    }
+}
+
 impl TrainingPlan {
     /// The learning rate of step `step` (from 0): the optimizer's, along the schedule.
     pub fn lr_at(&self, step: usize) -> f64 {

@@ -277,7 +277,7 @@ fn fp8(a: &mut Args, precision: Precision, sharding: Sharding) -> Result<Option<
     } else {
         Fp8Storage::Bf16
     };
-    Ok(Some(pipec_plan::plan::Fp8Plan { recipe, activations: Fp8Storage::Fp8, weight_copies: true, gather }))
+    Ok(Some(pipec_plan::plan::Fp8Plan { gather, ..pipec_plan::plan::Fp8Plan::of_engine(Engine::Megatron, recipe) }))
 }
 
 /// The spec's `recompute` for Megatron-LM's (transformer_config.py:1724-1832 at core_v0.19.0):

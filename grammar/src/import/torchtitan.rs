@@ -302,9 +302,7 @@ fn fp8(t: &Toml, dropped: &mut Vec<String>) -> Result<Option<pipec_plan::plan::F
         found = Some(recipe);
     }
     Ok(found.map(|(recipe, gather)| pipec_plan::plan::Fp8Plan {
-        recipe,
-        activations: Fp8Storage::Bf16,
-        weight_copies: false,
         gather,
+        ..pipec_plan::plan::Fp8Plan::of_engine(pipec_plan::vocab::Engine::Torchtitan, recipe)
     }))
 }
