@@ -350,6 +350,11 @@ pub fn run(args: RunArgs) -> u8 {
         measured_bubble * 100.0,
         plan.simulation.bubble_fraction * 100.0
     );
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    let in_process = args.backend == Backend::Cpu && args.transport == Transport::Threads;
+    if let Some(note) = shared_cores(in_process, plan.devices.len(), cores) {
+        println!("{note}");
+    }
     let kinds = time_by_kind(&plan, &report);
     if !kinds.is_empty() {
         println!("time per step by instruction kind, all devices (measured: the median step after the first; a receive counts its wait):");
@@ -551,6 +556,18 @@ fn run_mpi(plan: &Plan, args: &RunArgs, resume: Option<Resume>, dir: &Path, firs
 fn run_mpi(_plan: &Plan, _args: &RunArgs, _resume: Option<Resume>, _dir: &Path, _first_step: usize) -> u8 {
     eprintln!("error: this pipec was built without MPI support: rebuild with `cargo build --release --features mpi` (needs Open MPI and clang), or use `--transport tcp` with torchrun's variables");
     EXIT_USAGE
+}
+
+/// A note where a run's in-process CPU workers (one thread per device) outnumber this
+/// machine's cores: they take turns, and a worker waiting in an exchange for a peer that is
+/// not running waits out that peer's turn, which the prediction does not count (it prices
+/// each worker's kernels at the rate measured with all of them at once).
+fn shared_cores(in_process_cpu: bool, workers: usize, cores: usize) -> Option<String> {
+    (in_process_cpu && workers > cores).then(|| {
+        format!(
+            "note: {workers} workers took turns on {cores} core(s): the measured step includes their waits for one another's turn, which the prediction does not count"
+        )
+    })
 }
 
 fn median(v: &[f64]) -> Option<f64> {
@@ -1169,5 +1186,18 @@ fn feature_note(f: pipec_plan::features::Feature, plan: &Plan) -> Option<String>
         | Feature::ActivationOffload
         | Feature::WholeExperts
         | Feature::MultiTokenPrediction => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::shared_cores;
+
+    #[test]
+    fn a_note_says_when_the_workers_outnumber_the_cores() {
+        assert!(shared_cores(true, 4, 2).is_some_and(|n| n.contains("4 workers took turns on 2 core(s)")));
+        assert_eq!(shared_cores(true, 2, 2), None);
+        // over MPI or TCP, or on a GPU, the processes or devices are not this count
+        assert_eq!(shared_cores(false, 4, 2), None);
     }
 }
