@@ -202,7 +202,7 @@ fn mpirun(a: &Attempt) -> Result<(Vec<String>, HostDevices), u8> {
         cmd.push(h.display().to_string());
         cmd.push("--map-by".into());
         cmd.push("slot".into());
-    } else if ranks > std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) {
+    } else if ranks > crate::this_cpu::cores() {
         cmd.push("--oversubscribe".into());
     }
     // Open MPI notices a host that stopped answering (a link down) within a few seconds

@@ -22,8 +22,7 @@ pub fn run(
     let measured = match backend {
         Backend::Cpu => {
             // the plan's devices run as threads of one process and share these cores
-            let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
-            let threads = concurrent.unwrap_or_else(|| plan.devices.len().clamp(1, cores)).max(1);
+            let threads = concurrent.unwrap_or_else(|| plan.devices.len().clamp(1, crate::this_cpu::cores())).max(1);
             eprintln!("profiling on the CPU with {threads} concurrent worker(s)");
             pipec_executor::profile::profile_cpu_concurrent(&plan, threads, 2, reps.max(1))
         }

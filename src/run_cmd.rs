@@ -151,8 +151,7 @@ fn load_run_plan(args: &RunArgs) -> Result<(Plan, Option<String>), u8> {
     if args.file.extension().is_some_and(|e| e == "json") {
         return load_plan_checked(&args.file, args.color, args.verify).map(|p| (p, None));
     }
-    let on_this_cpu =
-        args.backend == Backend::Cpu && args.transport == Transport::Threads && !crate::this_cpu::switched_off();
+    let on_this_cpu = in_process_cpu(args) && !crate::this_cpu::switched_off();
     let mut device = None;
     let mut adjust = |spec: &mut pipec_grammar::spec::Spec| {
         // a plan the executor refuses is refused before this machine is measured (minutes,
@@ -350,9 +349,7 @@ pub fn run(args: RunArgs) -> u8 {
         measured_bubble * 100.0,
         plan.simulation.bubble_fraction * 100.0
     );
-    let cores = std::thread::available_parallelism().map_or(1, usize::from);
-    let in_process = args.backend == Backend::Cpu && args.transport == Transport::Threads;
-    if let Some(note) = shared_cores(in_process, plan.devices.len(), cores) {
+    if let Some(note) = shared_cores(in_process_cpu(&args), plan.devices.len(), crate::this_cpu::cores()) {
         println!("{note}");
     }
     let kinds = time_by_kind(&plan, &report);
@@ -556,6 +553,11 @@ fn run_mpi(plan: &Plan, args: &RunArgs, resume: Option<Resume>, dir: &Path, firs
 fn run_mpi(_plan: &Plan, _args: &RunArgs, _resume: Option<Resume>, _dir: &Path, _first_step: usize) -> u8 {
     eprintln!("error: this pipec was built without MPI support: rebuild with `cargo build --release --features mpi` (needs Open MPI and clang), or use `--transport tcp` with torchrun's variables");
     EXIT_USAGE
+}
+
+/// Whether the run's devices are worker threads of this process on this machine's CPU.
+fn in_process_cpu(args: &RunArgs) -> bool {
+    args.backend == Backend::Cpu && args.transport == Transport::Threads
 }
 
 /// A note where a run's in-process CPU workers (one thread per device) outnumber this

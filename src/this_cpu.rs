@@ -55,6 +55,11 @@ impl ThisCpu {
     }
 }
 
+/// The cores this process may run on (1 where the system does not say).
+pub fn cores() -> usize {
+    std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
+}
+
 /// Whether the calibration is turned off by the environment.
 pub fn switched_off() -> bool {
     std::env::var(SWITCH).is_ok_and(|v| matches!(v.trim(), "off" | "0" | "false" | "no"))

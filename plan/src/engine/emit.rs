@@ -14,7 +14,7 @@ use super::capability::{refusals, Layout, RecomputeKind};
 use super::gpt::GptShape;
 use super::EngineTarget;
 use crate::model::{MlpKind, NormKind};
-use crate::plan::OptimizerPlan;
+use crate::plan::{Fp8Plan, OptimizerPlan};
 use crate::rope::RopeScaling;
 use crate::vocab::{Choice, CompileComponent, CpComm, Engine, Precision, ScheduleKind, Sharding};
 use crate::Plan;
@@ -232,29 +232,33 @@ fn notes(run: &Run<'_>, engine: &EngineTarget) -> String {
 }
 
 /// What of FP8 training's storage (`training.fp8`) the engine's configuration cannot say:
-/// each engine's FP8 keeps what its kernels keep. Megatron-LM's Transformer Engine layers
-/// keep the FP8 copies of their inputs and, between a step's microbatches, FP8 copies of the
-/// weights (its arguments have no switch for Megatron-Core's
-/// `disable_parameter_transpose_cache`, which Megatron-Bridge sets in its configuration);
-/// torchao's `Float8Linear` under torchtitan keeps the bf16 input and casts the weights
-/// every pass.
-fn fp8_not_said(fp8: Option<crate::plan::Fp8Plan>, engine: Engine) -> Vec<String> {
-    use crate::vocab::Fp8Storage;
+/// where the plan's differs from what the engine's kernels keep ([`Fp8Plan::of_engine`]).
+/// Megatron-LM's arguments have no switch for Megatron-Core's
+/// `disable_parameter_transpose_cache` (Megatron-Bridge sets it in its configuration), nor
+/// torchtitan's for torchao's storage.
+fn fp8_not_said(fp8: Option<Fp8Plan>, engine: Engine) -> Vec<String> {
     let Some(f) = fp8 else { return Vec::new() };
-    let (activations, copies) = match engine {
+    let own = Fp8Plan::of_engine(engine, f.recipe);
+    let (inputs, copies) = match engine {
         Engine::Megatron => (
-            (f.activations == Fp8Storage::Bf16)
-                .then_some("`fp8.activations: bf16`: Transformer Engine's linear layers keep the FP8 copies of their inputs"),
-            (!f.weight_copies).then_some("`fp8.weight_copies: false`: Megatron-LM's arguments have no switch for Megatron-Core's `disable_parameter_transpose_cache` (Megatron-Bridge sets it in its configuration), so Transformer Engine keeps FP8 copies of the weights between microbatches"),
+            "Transformer Engine's linear layers keep the FP8 copies of their inputs",
+            "Megatron-LM's arguments have no switch for Megatron-Core's `disable_parameter_transpose_cache` (Megatron-Bridge sets it in its configuration), so Transformer Engine keeps FP8 copies of the weights between microbatches",
         ),
         Engine::Torchtitan => (
-            (f.activations == Fp8Storage::Fp8)
-                .then_some("`fp8.activations: fp8`: torchao's Float8Linear keeps its bf16 input for the weight gradient"),
-            f.weight_copies.then_some("`fp8.weight_copies: true`: torchao casts the weights every pass and keeps no FP8 copies"),
+            "torchao's Float8Linear keeps its bf16 input for the weight gradient",
+            "torchao casts the weights every pass and keeps no FP8 copies",
         ),
-        Engine::Deepspeed | Engine::Pipec => (None, None),
+        // (DeepSpeed's configuration has no FP8: refused before; pipec's plan is its own)
+        Engine::Deepspeed | Engine::Pipec => return Vec::new(),
     };
-    [activations, copies].into_iter().flatten().map(str::to_string).collect()
+    let mut lost = Vec::new();
+    if f.activations != own.activations {
+        lost.push(format!("`fp8.activations: {}`: {inputs}", f.activations.name()));
+    }
+    if f.weight_copies != own.weight_copies {
+        lost.push(format!("`fp8.weight_copies: {}`: {copies}", f.weight_copies));
+    }
+    lost
 }
 
 /// A flag and its value (None: a switch).
