@@ -495,6 +495,71 @@ fn kernels() {
     }
 }
 
+/// The example CNNs' convolutions and pools on the CPU, forward and backward through
+/// autodiff (`sum()` of the output as the loss): Burn's own (`flex`'s im2col forward, Burn's
+/// default gradients: a transposed convolution and a convolution by the output's gradient;
+/// `flex`'s pool) against pipec's (`Kernels::convolution`, `Kernels::max_pool`: the patch
+/// matrix's products, one plane at a time); median of 40 after 5 warm-ups, one thread.
+fn convolutions() {
+    use burn::tensor::ops::ConvOptions;
+    use burn::tensor::{Distribution, Tensor, TensorPrimitive};
+    use pipec_executor::backend::kernels::Kernels;
+    use pipec_executor::backend::pool::PoolWindow;
+    type B = pipec_executor::CpuBackend;
+    println!("## convolutions (CPU, flex backend, one thread): forward + backward, median of 40 after 5 warm-ups");
+    println!("| layer | input | Burn (ms) | pipec (ms) | Burn / pipec |");
+    println!("|---|---|---|---|---|");
+    let dev = Default::default();
+    let ms = |f: &mut dyn FnMut()| {
+        for _ in 0..5 {
+            f();
+        }
+        time(40, &mut *f).0 * 1e3
+    };
+    let prim = |t: Tensor<B, 4>| t.into_primitive().tensor();
+    let wrap = |t| Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(t));
+    // (what, input [n, c, h, w], C_out, kernel, stride, padding): resnet-small's and cnn.yaml's
+    let convs = [
+        ("3 x 3 conv, resnet-small res1", [8, 16, 32, 32], 16, 3, 1, 1),
+        ("3 x 3 conv, stride 2, res2", [8, 16, 32, 32], 32, 3, 2, 1),
+        ("1 x 1 conv, stride 2, res2 shortcut", [8, 16, 32, 32], 32, 1, 2, 0),
+        ("3 x 3 conv, cnn.yaml's second", [8, 32, 32, 32], 32, 3, 1, 1),
+        ("3 x 3 conv, 64 channels at 8 x 8", [8, 64, 8, 8], 64, 3, 1, 1),
+    ];
+    for (what, shape, c_out, k, stride, padding) in convs {
+        let x = Tensor::<B, 4>::random(shape, Distribution::Normal(0.0, 1.0), &dev).require_grad();
+        let w = Tensor::<B, 4>::random([c_out, shape[1], k, k], Distribution::Normal(0.0, 0.1), &dev).require_grad();
+        let options = ConvOptions::new([stride; 2], [padding; 2], [1, 1], 1);
+        let pass = |ours: bool| {
+            let y = if ours {
+                wrap(B::convolution(prim(x.clone()), prim(w.clone()), None, options.clone()))
+            } else {
+                burn::tensor::module::conv2d(x.clone(), w.clone(), None, options.clone())
+            };
+            let g = y.sum().backward();
+            drop((x.grad(&g), w.grad(&g)));
+        };
+        let (burn, ours) = (ms(&mut || pass(false)), ms(&mut || pass(true)));
+        println!("| {what} | {shape:?} | {burn:.3} | {ours:.3} | {:.2} |", burn / ours);
+    }
+    for (what, shape) in
+        [("2 x 2 max pool, cnn.yaml's first", [8, 32, 32, 32]), ("2 x 2 max pool, its second", [8, 64, 16, 16])]
+    {
+        let x = Tensor::<B, 4>::random(shape, Distribution::Normal(0.0, 1.0), &dev).require_grad();
+        let window = PoolWindow { kernel: [2, 2], stride: [2, 2], padding: [0, 0] };
+        let pass = |ours: bool| {
+            let y = if ours {
+                wrap(B::max_pool(prim(x.clone()), window).0)
+            } else {
+                burn::tensor::module::max_pool2d(x.clone(), [2, 2], [2, 2], [0, 0], [1, 1], false)
+            };
+            drop(x.grad(&y.sum().backward()));
+        };
+        let (burn, ours) = (ms(&mut || pass(false)), ms(&mut || pass(true)));
+        println!("| {what} | {shape:?} | {burn:.3} | {ours:.3} | {:.2} |", burn / ours);
+    }
+}
+
 /// Point-to-point latency and bandwidth under `mpirun -np 2`: plain MPI send/receive of
 /// byte buffers (osu_latency/osu_bw style ping-pong), then pipec's MPI endpoint moving the
 /// same sizes as tensors (header, sender thread, polling receive).
@@ -902,6 +967,9 @@ fn main() {
     }
     if what == "kernels" || what == "all" {
         kernels();
+    }
+    if what == "convolutions" || what == "all" {
+        convolutions();
     }
     if what == "executor" || what == "all" {
         executor();

@@ -23,6 +23,7 @@
 //! recompute. The optimizer step is priced as the memory traffic it is.
 
 use pipec_plan::device::Function;
+use pipec_plan::engine::performance::Convolution;
 use pipec_plan::model::{Op, TpSplit};
 use pipec_plan::vocab::{Attention, CpComm, Loss, OptimizerKind, Precision, RecomputeModule};
 use pipec_plan::CollectiveKind;
@@ -388,11 +389,33 @@ fn price(node: &OpNode, split: TpSplit, (first, last): (bool, bool), cx: &CostCo
         Op::Conv2d { in_channels, out_channels, kernel, .. } => {
             let flops = forward_flops(node) * b;
             let weights = (in_channels * out_channels * kernel * kernel) as f64;
-            fwd.matrix(flops, inp + weights + out);
-            if !first {
-                bwd.matrix(flops, inp + weights + out);
+            match cx.convolution {
+                Convolution::Direct => {
+                    fwd.matrix(flops, inp + weights + out);
+                    if !first {
+                        bwd.matrix(flops, inp + weights + out);
+                    }
+                    bwd.matrix(flops, inp + weights + out);
+                }
+                Convolution::Patches => {
+                    // the patch matrix: C·k² values per output position per sample
+                    let patches = out / out_channels as f64 * (in_channels * kernel * kernel) as f64;
+                    let lay_out = |k: &mut Kernels| k.vector(0.0, 2.0 * patches, 0.0);
+                    lay_out(&mut fwd);
+                    fwd.matrix(flops, patches + weights + out);
+                    fwd.vector(0.0, 2.0 * out, 0.0);
+                    // the output's gradient as [C_out, samples·positions], the weights'
+                    // gradient over the patches laid out again
+                    bwd.vector(0.0, 2.0 * out, 0.0);
+                    lay_out(&mut bwd);
+                    bwd.matrix(flops, out + patches + weights);
+                    if !first {
+                        // the patches' gradient, added back into the input's
+                        bwd.matrix(flops, weights + out + patches);
+                        bwd.vector(patches, patches + 2.0 * inp, 0.0);
+                    }
+                }
             }
-            bwd.matrix(flops, inp + weights + out);
         }
         Op::Lstm { input, hidden } => {
             let steps = node.input_shape.first().copied().unwrap_or(1).max(1);
@@ -901,6 +924,7 @@ mod tests {
             tp_overlap: None,
             sequence_collectives: Default::default(),
             fp8_casts: pipec_plan::engine::performance::KernelFamily::MegatronTe.fp8_casts(),
+            convolution: Default::default(),
         }
     }
 
@@ -994,6 +1018,57 @@ mod tests {
             assert!((first.backward - later.forward).abs() < 1e-15, "{}", first.backward);
             assert_eq!(first.forward, later.forward);
         }
+    }
+
+    /// pipec's executor on the CPU runs a convolution over its patch matrix
+    /// (`KernelFamily::convolution`): on a device whose products are priced by their
+    /// compute alone and whose memory by its bytes, the forward is the product plus the
+    /// patch matrix laid out (written and read: C·k² values per output position) plus the
+    /// output copied; a 3 × 3 convolution's patches are 9 times a 1 × 1's.
+    #[test]
+    fn the_executors_cpu_convolution_pays_for_its_patch_matrix() {
+        let mut device = DeviceModel::uniform("cpu", 1e9, 1e10);
+        device.memory_bandwidth = 1e10;
+        let direct = context(&device);
+        let patches = CostContext { convolution: Convolution::Patches, ..context(&device) };
+        let conv = |k: usize| {
+            node(
+                Op::Conv2d { in_channels: 4, out_channels: 8, kernel: k, stride: 1, padding: k / 2, bias: false },
+                vec![4, 16, 16],
+            )
+        };
+        let p = 4.0; // fp32
+        let samples = direct.microbatch as f64;
+        for k in [1, 3] {
+            let n = conv(k);
+            let (a, b) = (
+                price(&n, TpSplit::Replicated, (false, false), &direct),
+                price(&n, TpSplit::Replicated, (false, false), &patches),
+            );
+            let (values, out) = (samples * 256.0 * (4 * k * k) as f64, samples * 8.0 * 256.0);
+            let copies = (2.0 * values + 2.0 * out) * p / 1e10;
+            // the products' FLOPs cost what they did (a FLOP-rate device)
+            assert!(
+                (b.forward - a.forward - copies).abs() < 1e-12 * b.forward.max(1.0),
+                "k {k}: {} {}",
+                b.forward,
+                a.forward
+            );
+            assert!(b.backward > a.backward + copies, "k {k}");
+        }
+        let per_k = |k: usize| {
+            let n = conv(k);
+            price(&n, TpSplit::Replicated, (false, false), &patches).forward
+                - price(&n, TpSplit::Replicated, (false, false), &direct).forward
+        };
+        let out_copies = 2.0 * samples * 8.0 * 256.0 * p / 1e10;
+        assert!(((per_k(3) - out_copies) / (per_k(1) - out_copies) - 9.0).abs() < 1e-9);
+        // the family answers so on the CPU only, for pipec's executor only
+        use pipec_plan::engine::performance::KernelFamily;
+        let h100 = pipec_plan::device::preset("h100-sxm").expect("a preset").model();
+        assert_eq!(KernelFamily::Pipec.convolution(&device), Convolution::Patches);
+        assert_eq!(KernelFamily::Pipec.convolution(&h100), Convolution::Direct);
+        assert_eq!(KernelFamily::TorchEager.convolution(&device), Convolution::Direct);
     }
 
     #[test]

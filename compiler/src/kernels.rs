@@ -5,7 +5,8 @@
 
 use pipec_plan::device::{DeviceModel, Function};
 use pipec_plan::engine::performance::{
-    AttentionKernel, AttentionPass, CrossEntropy, Fp8Casts, KernelFamily, OverlapSteps, SequenceCollectives,
+    AttentionKernel, AttentionPass, Convolution, CrossEntropy, Fp8Casts, KernelFamily, OverlapSteps,
+    SequenceCollectives,
 };
 use pipec_plan::plan::Fp8Plan;
 use pipec_plan::vocab::{Attention, CpComm, Fp8Recipe, Fp8Storage, Loss, OptimizerKind, Precision};
@@ -70,6 +71,8 @@ pub struct CostContext<'a> {
     pub sequence_collectives: SequenceCollectives,
     /// What the engine's FP8 training moves to cast the products' operands.
     pub fp8_casts: Fp8Casts,
+    /// How the engine runs a convolution on the device.
+    pub convolution: Convolution,
 }
 
 /// The engine's cross-entropy over whole logits and over a vocabulary split by tensor

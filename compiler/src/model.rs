@@ -106,6 +106,7 @@ pub(crate) fn cost_model(spec: &Spec, options: &CompileOptions) -> Result<ModelC
         cross_entropy: Losses { whole: spec.engine.cross_entropy(false), split: spec.engine.cross_entropy(true) },
         sequence_collectives: sequence_collectives(spec),
         fp8_casts: fp8_casts(spec),
+        convolution: spec.engine.family().convolution(&cluster.device),
     };
     let mut costs = analytic_costs(&graph, &cx).map_err(|e| {
         vec![Diagnostic::error("E0405", e, spec.strategy.span, "tensor parallelism")

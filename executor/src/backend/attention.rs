@@ -55,8 +55,12 @@ fn scaled_and_masked<B: Backend>(scores: Tensor<B, 4>, dh: usize, mask: Option<M
     let scores = scores / (dh as f64).sqrt();
     match mask {
         Some(mask) => {
+            // as rows of [batch·heads, queries·keys] against the mask's one row: the CPU
+            // backend's one-pass broadcast of a row ([1, 1, q, k] takes its strided path)
             let dev = scores.device();
-            scores + additive_mask::<B>(mask, &dev)
+            let [b, h, q, k] = scores.dims();
+            let mask = additive_mask::<B>(mask, &dev).reshape([1, q * k]);
+            (scores.reshape([b * h, q * k]) + mask).reshape([b, h, q, k])
         }
         None => scores,
     }

@@ -139,6 +139,22 @@ impl<I: Kernels, C: CheckpointStrategy> Kernels for Autodiff<I, C> {
         ring_backward::ring_attention(q, k, v, sinks, ring)
     }
 
+    fn convolution(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+        options: burn::tensor::ops::ConvOptions<2>,
+    ) -> FloatTensor<Self> {
+        conv_backward::conv2d::<I, C>(x, weight, bias, options)
+    }
+
+    fn max_pool(
+        x: FloatTensor<Self>,
+        window: crate::backend::pool::PoolWindow,
+    ) -> crate::backend::kernels::Pooled<Self> {
+        pool_backward::max_pool::<I, C>(x, window)
+    }
+
     fn embed(w: Tensor<Self, 2>, ids: Tensor<Self, 2, burn::tensor::Int>) -> Tensor<Self, 3> {
         let w = w.into_primitive().tensor();
         // ZeRO-3: a table gathered for this lookup only; its backward needs none of it (the
@@ -631,6 +647,8 @@ fn add_to_sum<I: Kernels>(node: NodeId, xt: FloatTensor<I>, dy: FloatTensor<I>) 
     None
 }
 
+mod conv_backward;
+mod pool_backward;
 mod ring_backward;
 #[cfg(test)]
 mod tests;

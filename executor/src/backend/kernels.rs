@@ -5,8 +5,10 @@
 
 use burn::backend::autodiff::NodeId;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::ops::{FloatTensor, FloatTensorOps};
+use burn::tensor::ops::{ConvOptions, FloatTensor, FloatTensorOps, IntTensor, ModuleOps};
 use burn::tensor::{Tensor, TensorPrimitive};
+
+use crate::backend::pool::PoolWindow;
 
 /// What the executor needs of a backend beyond Burn's: its dense product.
 pub trait Kernels: Backend {
@@ -88,6 +90,46 @@ pub trait Kernels: Backend {
     fn dropout(x: Tensor<Self, 1>, mask: std::sync::Arc<crate::backend::dropout::DropMask>) -> Tensor<Self, 1> {
         let dev = x.device();
         x * mask.tensor(&dev)
+    }
+
+    /// A 2-D convolution of `x` [n, C, h, w] by `weight` [C_out, C/groups, kh, kw], plus
+    /// `bias` [C_out] (by default Burn's).
+    fn convolution(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+        options: ConvOptions<2>,
+    ) -> FloatTensor<Self> {
+        <Self as ModuleOps<Self>>::conv2d(x, weight, bias, options)
+    }
+
+    /// [`Kernels::convolution`]'s input and weight gradients from its output's gradient `dy`,
+    /// each where `want` asks for it (by default Burn's).
+    fn convolution_grads(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+        options: ConvOptions<2>,
+        want: (bool, bool),
+    ) -> (Option<FloatTensor<Self>>, Option<FloatTensor<Self>>) {
+        burn_conv2d_grads::<Self>(x, weight, dy, options, want)
+    }
+
+    /// Max pooling of `x` [n, C, h, w] by `window`: the pooled tensor and each output's
+    /// largest value's offset in its input plane (by default Burn's).
+    fn max_pool(x: FloatTensor<Self>, window: PoolWindow) -> Pooled<Self> {
+        burn_max_pool::<Self>(x, window)
+    }
+
+    /// [`Kernels::max_pool`]'s input gradient from its output's gradient `dy` and its
+    /// `indices` (by default Burn's).
+    fn max_pool_grad(
+        x: FloatTensor<Self>,
+        window: PoolWindow,
+        dy: FloatTensor<Self>,
+        indices: IntTensor<Self>,
+    ) -> FloatTensor<Self> {
+        burn_max_pool_grad::<Self>(x, window, dy, indices)
     }
 
     /// softmax(scores/√dh + the mask) over the keys of [batch, heads, queries, keys]
@@ -190,6 +232,48 @@ impl Kernels for burn::backend::Flex {
         }
     }
 
+    fn convolution(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+        options: ConvOptions<2>,
+    ) -> FloatTensor<Self> {
+        // products over the patches (crate::backend::flex_conv), flex's own for what it does not take
+        crate::backend::flex_conv::forward(&x, &weight, bias.as_ref(), &options)
+            .unwrap_or_else(|| <Self as ModuleOps<Self>>::conv2d(x, weight, bias, options))
+    }
+
+    fn convolution_grads(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+        options: ConvOptions<2>,
+        want: (bool, bool),
+    ) -> (Option<FloatTensor<Self>>, Option<FloatTensor<Self>>) {
+        match crate::backend::flex_conv::backward(&x, &weight, &dy, &options, want) {
+            Some(grads) => grads,
+            None => burn_conv2d_grads::<Self>(x, weight, dy, options, want),
+        }
+    }
+
+    fn max_pool(x: FloatTensor<Self>, window: PoolWindow) -> Pooled<Self> {
+        // one plane at a time (crate::backend::flex_pool), flex's own for what it does not take
+        crate::backend::flex_pool::forward(&x, window).unwrap_or_else(|| burn_max_pool::<Self>(x, window))
+    }
+
+    fn max_pool_grad(
+        x: FloatTensor<Self>,
+        window: PoolWindow,
+        dy: FloatTensor<Self>,
+        indices: IntTensor<Self>,
+    ) -> FloatTensor<Self> {
+        let shape = x.layout().shape().as_slice();
+        match <[usize; 4]>::try_from(shape).ok().and_then(|s| crate::backend::flex_pool::backward(s, &dy, &indices)) {
+            Some(dx) => dx,
+            None => burn_max_pool_grad::<Self>(x, window, dy, indices),
+        }
+    }
+
     fn take_weight_copy(w: &FloatTensor<Self>) -> bool {
         crate::backend::flex_weights::take(w)
     }
@@ -230,6 +314,55 @@ impl<B: AutodiffBackend<InnerBackend: Kernels> + Kernels> ExecBackend for B {}
 /// member's queries against the gathered keys, in member order — and the sliding window), a
 /// key its query does not see gets weight 0 (its score is pushed to -1e9 first, which leaves the same softmax and gradient
 /// as removing it, without -∞ arithmetic).
+/// A 2-D convolution through [`Kernels::convolution`]: `x` [n, C, h, w] by `weight`
+/// [C_out, C/groups, kh, kw], plus `bias` [C_out].
+pub(crate) fn conv2d<B: Kernels>(
+    x: Tensor<B, 4>,
+    weight: Tensor<B, 4>,
+    bias: Option<Tensor<B, 1>>,
+    options: ConvOptions<2>,
+) -> Tensor<B, 4> {
+    let p = |t: Tensor<B, 4>| t.into_primitive().tensor();
+    let bias = bias.map(|b| b.into_primitive().tensor());
+    Tensor::from_primitive(TensorPrimitive::Float(B::convolution(p(x), p(weight), bias, options)))
+}
+
+/// A max pool's output and each output's largest value's offset in its input plane.
+pub type Pooled<B> = (FloatTensor<B>, IntTensor<B>);
+
+/// Max pooling through [`Kernels::max_pool`] ([n, C, h, w] by `window`).
+pub(crate) fn max_pool<B: Kernels>(x: Tensor<B, 4>, window: PoolWindow) -> Tensor<B, 4> {
+    Tensor::from_primitive(TensorPrimitive::Float(B::max_pool(x.into_primitive().tensor(), window).0))
+}
+
+/// Burn's max pool.
+fn burn_max_pool<B: Backend>(x: FloatTensor<B>, PoolWindow { kernel, stride, padding }: PoolWindow) -> Pooled<B> {
+    let pooled = B::max_pool2d_with_indices(x, kernel, stride, padding, [1, 1], false);
+    (pooled.output, pooled.indices)
+}
+
+/// Burn's gradient of a max pool's input.
+fn burn_max_pool_grad<B: Backend>(
+    x: FloatTensor<B>,
+    PoolWindow { kernel, stride, padding }: PoolWindow,
+    dy: FloatTensor<B>,
+    indices: IntTensor<B>,
+) -> FloatTensor<B> {
+    B::max_pool2d_with_indices_backward(x, kernel, stride, padding, [1, 1], false, dy, indices).x_grad
+}
+
+/// Burn's gradients of a 2-D convolution's input and weight, each where `want` asks.
+fn burn_conv2d_grads<B: Backend>(
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    dy: FloatTensor<B>,
+    options: ConvOptions<2>,
+    (want_x, want_w): (bool, bool),
+) -> (Option<FloatTensor<B>>, Option<FloatTensor<B>>) {
+    let dx = want_x.then(|| B::conv2d_x_backward(x.clone(), weight.clone(), dy.clone(), options.clone()));
+    (dx, want_w.then(|| B::conv2d_weight_backward(x, weight, dy, options)))
+}
+
 pub(crate) fn attention_at<B: Kernels>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,

@@ -411,6 +411,21 @@ impl KernelFamily {
         }
     }
 
+    /// How the engine runs a 2-D convolution on `device` ([`Convolution`]): pipec's
+    /// executor on the CPU lays the input's patches out as a matrix and multiplies it
+    /// (`pipec_executor`'s `flex_conv`); the GPU engines and pipec's CUDA build run Burn's
+    /// or cuDNN's convolutions, priced as one product.
+    pub fn convolution(self, device: &DeviceModel) -> Convolution {
+        match self {
+            KernelFamily::Pipec if crate::device::names_a_cpu(&device.name) => Convolution::Patches,
+            KernelFamily::Pipec
+            | KernelFamily::MegatronTe
+            | KernelFamily::TorchEager
+            | KernelFamily::TorchCompiled
+            | KernelFamily::Deepspeed => Convolution::Direct,
+        }
+    }
+
     /// The fused attention kernel this engine runs on `device`, where its throughput is
     /// published (Hopper GPUs); None: attention priced as the device's matrix products.
     pub fn attention(self, device: &DeviceModel) -> Option<AttentionKernel> {
@@ -423,6 +438,20 @@ impl KernelFamily {
             KernelFamily::TorchEager | KernelFamily::TorchCompiled | KernelFamily::Deepspeed => Some(FLASH_ATTENTION_2),
         }
     }
+}
+
+/// How an engine's kernels run a 2-D convolution ([`KernelFamily::convolution`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Convolution {
+    /// One product of the convolution's multiply-adds, reading its input and weights and
+    /// writing its output (an implicit-GEMM or direct kernel).
+    #[default]
+    Direct,
+    /// The input's patches copied out as a matrix [C·k², samples·positions] (im2col), one
+    /// product of the weights by it, the output copied into place; the backward lays the
+    /// patches out again for the weights' gradient and adds the patch matrix's gradient back
+    /// into the input's (col2im).
+    Patches,
 }
 
 /// What an engine's FP8 training moves to cast one operand to FP8 with tensorwise

@@ -1,0 +1,89 @@
+//! A 2-D convolution as an autodiff node ([`Kernels::convolution`] on `Autodiff`): the inner
+//! backend's forward and, in the backward, its gradients ([`Kernels::convolution_grads`]) and
+//! the bias's, the output's gradient summed over the batch and the positions.
+
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops};
+use burn::backend::autodiff::{Autodiff, NodeId};
+use burn::tensor::ops::{ConvOptions, FloatTensor};
+use burn::tensor::{Tensor, TensorPrimitive};
+
+use super::tracked;
+use crate::backend::kernels::Kernels;
+
+/// [`Kernels::convolution`] on an autodiff backend: the input, the weight and the bias (if any)
+/// are the node's parents; it keeps the input and the weight.
+pub(super) fn conv2d<I: Kernels, C: CheckpointStrategy>(
+    x: FloatTensor<Autodiff<I, C>>,
+    weight: FloatTensor<Autodiff<I, C>>,
+    bias: Option<FloatTensor<Autodiff<I, C>>>,
+    options: ConvOptions<2>,
+) -> FloatTensor<Autodiff<I, C>> {
+    let out = I::convolution(
+        x.primitive.clone(),
+        weight.primitive.clone(),
+        bias.as_ref().map(|b| b.primitive.clone()),
+        options.clone(),
+    );
+    let state = || (x.primitive.clone(), weight.primitive.clone());
+    let op = ConvBackward { options };
+    match &bias {
+        None => tracked::<I, C, _, 2>(op, [&x, &weight], state, out),
+        Some(b) => tracked::<I, C, _, 3>(op, [&x, &weight, b], state, out),
+    }
+}
+
+/// The backward of [`conv2d`].
+#[derive(Debug)]
+struct ConvBackward {
+    options: ConvOptions<2>,
+}
+
+impl ConvBackward {
+    /// Registers, from the output's gradient `dy`, the gradients of the parents that are
+    /// tracked (`to`: the input, the weight, the bias).
+    fn register<I: Kernels>(
+        self,
+        grads: &mut Gradients,
+        dy: FloatTensor<I>,
+        (x, weight): (FloatTensor<I>, FloatTensor<I>),
+        [to_x, to_w, to_b]: [Option<NodeId>; 3],
+    ) {
+        if let Some(id) = to_b {
+            let d = Tensor::<I, 4>::from_primitive(TensorPrimitive::Float(dy.clone()));
+            let [n, c, h, w] = d.dims();
+            let db = d.reshape([n, c, h * w]).sum_dim(2).sum_dim(0).reshape([c]);
+            grads.register::<I>(id, db.into_primitive().tensor());
+        }
+        if to_x.is_none() && to_w.is_none() {
+            return;
+        }
+        let (dx, dw) = I::convolution_grads(x, weight, dy, self.options, (to_x.is_some(), to_w.is_some()));
+        for (id, g) in [(to_x, dx), (to_w, dw)] {
+            if let (Some(id), Some(g)) = (id, g) {
+                grads.register::<I>(id, g);
+            }
+        }
+    }
+}
+
+impl<I: Kernels> Backward<I, 2> for ConvBackward {
+    type State = (FloatTensor<I>, FloatTensor<I>);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let dy = grads.consume::<I>(&ops.node);
+        let [x, w] = ops.parents.map(|p| p.map(|n| n.id));
+        self.register::<I>(grads, dy, ops.state, [x, w, None]);
+    }
+}
+
+impl<I: Kernels> Backward<I, 3> for ConvBackward {
+    type State = (FloatTensor<I>, FloatTensor<I>);
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let dy = grads.consume::<I>(&ops.node);
+        self.register::<I>(grads, dy, ops.state, ops.parents.map(|p| p.map(|n| n.id)));
+    }
+}

@@ -1,0 +1,74 @@
+use burn::backend::flex::FlexTensor;
+use burn::backend::{Autodiff, Flex};
+use burn::tensor::ops::ModuleOps;
+use burn::tensor::{Distribution, Int, Tensor, TensorPrimitive};
+
+use super::{backward, forward};
+use crate::backend::pool::PoolWindow;
+
+fn random(shape: [usize; 4], seed: u64) -> Tensor<Flex, 4> {
+    <Flex as burn::tensor::backend::Backend>::seed(&Default::default(), seed);
+    Tensor::random(shape, Distribution::Normal(0.0, 1.0), &Default::default())
+}
+
+fn prim(t: &Tensor<Flex, 4>) -> FlexTensor {
+    t.clone().into_primitive().tensor()
+}
+
+/// (input shape, kernel, stride, padding)
+const CASES: [([usize; 4], usize, usize, usize); 5] = [
+    ([2, 3, 8, 8], 2, 2, 0),
+    ([1, 2, 7, 9], 3, 2, 1),
+    ([3, 1, 5, 5], 3, 1, 1),
+    ([2, 2, 6, 6], 2, 1, 0),
+    ([1, 4, 9, 9], 3, 3, 0),
+];
+
+/// The pooled values, the indices and the input gradient equal flex's own, bit for bit,
+/// over strides, overlapping windows and padding; ties keep the first largest value.
+#[test]
+fn pooling_equals_flexs_own() {
+    for (i, &(shape, k, s, p)) in CASES.iter().enumerate() {
+        // rounded to halves: ties in most windows
+        let x = (random(shape, i as u64) * 2.0).round() / 2.0;
+        let window = PoolWindow { kernel: [k; 2], stride: [s; 2], padding: [p; 2] };
+        let (out, idx) = forward(&prim(&x), window).expect("taken");
+        let flex = Flex::max_pool2d_with_indices(prim(&x), [k; 2], [s; 2], [p; 2], [1, 1], false);
+        let as_f = |t: FlexTensor| Tensor::<Flex, 4>::from_primitive(TensorPrimitive::Float(t)).into_data();
+        let as_i = |t: FlexTensor| Tensor::<Flex, 4, Int>::from_primitive(t).into_data();
+        assert_eq!(as_f(out.clone()), as_f(flex.output), "case {i}: values");
+        assert_eq!(as_i(idx.clone()), as_i(flex.indices.clone()), "case {i}: indices");
+        let dy = random(out.layout().shape().as_slice().try_into().expect("4-D"), 100 + i as u64);
+        let ours = backward(shape, &prim(&dy), &idx).expect("taken");
+        let theirs = Flex::max_pool2d_with_indices_backward(
+            prim(&x),
+            [k; 2],
+            [s; 2],
+            [p; 2],
+            [1, 1],
+            false,
+            prim(&dy),
+            flex.indices,
+        );
+        assert_eq!(as_f(ours), as_f(theirs.x_grad), "case {i}: gradient");
+    }
+}
+
+/// Through autodiff (the executor's backend) a pool's input gradient is Burn's.
+#[test]
+fn the_autodiff_node_gives_burns_gradient() {
+    type A = Autodiff<Flex>;
+    let x = random([2, 3, 6, 6], 7);
+    let window = PoolWindow { kernel: [2; 2], stride: [2; 2], padding: [0; 2] };
+    let grad = |ours: bool| {
+        let x = Tensor::<A, 4>::from_inner(x.clone()).require_grad();
+        let y = if ours {
+            crate::backend::kernels::max_pool(x.clone(), window)
+        } else {
+            burn::tensor::module::max_pool2d(x.clone(), [2, 2], [2, 2], [0, 0], [1, 1], false)
+        };
+        let grads = (y.clone() * y).sum().backward();
+        x.grad(&grads).expect("tracked").into_data()
+    };
+    assert_eq!(grad(true), grad(false));
+}
