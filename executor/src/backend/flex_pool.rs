@@ -29,10 +29,10 @@ fn span(window: &Window, o: usize, size: usize, axis: usize) -> (usize, usize) {
 }
 
 /// The pooled [n, c, ho, wo] `f32` tensor and its indices; None where flex's own should run
-/// (another dtype or rank, a window that fits nowhere).
+/// (another dtype or rank, an empty plane, a window that fits nowhere).
 pub(crate) fn forward(x: &FlexTensor, window: Window) -> Option<(FlexTensor, FlexTensor)> {
     let &[n, c, h, w] = x.layout().shape().as_slice() else { return None };
-    if x.dtype() != DType::F32 {
+    if x.dtype() != DType::F32 || h * w == 0 {
         return None;
     }
     let (ho, wo) = (out(&window, h, 0)?, out(&window, w, 1)?);
@@ -81,7 +81,7 @@ pub(crate) fn backward(shape: [usize; 4], dy: &FlexTensor, indices: &FlexTensor)
         return None;
     }
     let &[dn, dc, ho, wo] = out_shape.as_slice() else { return None };
-    if (dn, dc) != (n, c) {
+    if (dn, dc) != (n, c) || h * w == 0 || ho * wo == 0 {
         return None;
     }
     let (dy, indices) = (dy.to_contiguous(), indices.to_contiguous());

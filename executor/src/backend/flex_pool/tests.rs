@@ -54,6 +54,17 @@ fn pooling_equals_flexs_own() {
     }
 }
 
+/// An empty plane is left to flex (no division of the input into planes of no values).
+#[test]
+fn an_empty_plane_is_left_to_flex() {
+    let empty = Tensor::<Flex, 4>::zeros([1, 2, 0, 4], &Default::default());
+    let window = PoolWindow { kernel: [2; 2], stride: [2; 2], padding: [1; 2] };
+    assert!(forward(&prim(&empty), window).is_none());
+    let dy = Tensor::<Flex, 4>::zeros([1, 2, 1, 3], &Default::default());
+    let idx: FlexTensor = Tensor::<Flex, 4, Int>::zeros([1, 2, 1, 3], &Default::default()).into_primitive();
+    assert!(backward([1, 2, 0, 4], &prim(&dy), &idx).is_none());
+}
+
 /// Through autodiff (the executor's backend) a pool's input gradient is Burn's.
 #[test]
 fn the_autodiff_node_gives_burns_gradient() {
