@@ -30,13 +30,15 @@ spec specs/1f1b.yaml 1f1b "$dir/two.json" "{ file: $dir/two.json }"
 sed -e 's/^  schedule: 1f1b/  schedule: gpipe/' "$dir/1f1b.yaml" >"$dir/gpipe.yaml"
 spec specs/gpt-tiny.yaml gpt-tiny "$dir/two.json" "{ file: $dir/two.json }"
 spec specs/mlp-1f1b.yaml mlp-1f1b "$dir/two.json" "{ file: $dir/two.json }"
+spec specs/resnet-small.yaml resnet "$dir/two.json" "{ file: $dir/two.json }"
+spec specs/cnn.yaml cnn "$dir/two.json" "{ file: $dir/two.json }"
 spec bench/specs/tp-cpu.yaml tp2 "$dir/two.json" "{ file: $dir/two.json }"
 sed -e 's/^  devices_per_node: 2/  devices_per_node: 1/' -e 's/^  tp: 2/  tp: 1/' \
     -e "s#^  device: .*#  device: { file: $dir/one.json }#" "$dir/tp2.yaml" >"$dir/tp1.yaml"
 
-all="mlp gpipe 1f1b gpt-tiny mlp-1f1b tp1 tp2"
+all="mlp gpipe 1f1b gpt-tiny mlp-1f1b resnet cnn tp1 tp2"
 # the specs on the two-worker file, the one `--measured` calibrates
-two="gpipe 1f1b gpt-tiny mlp-1f1b tp2"
+two="gpipe 1f1b gpt-tiny mlp-1f1b resnet cnn tp2"
 # each run's "step time: measured A UNIT ..., predicted B UNIT" line, in seconds; $1: the
 # spec files' prefix, then the specs' names
 steps() {
