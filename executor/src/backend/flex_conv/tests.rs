@@ -116,3 +116,35 @@ fn the_autodiff_node_gives_burns_gradients() {
     assert!(relative(ours.2, burns.2) < 1e-5);
     assert!(relative(ours.3, burns.3) < 1e-5);
 }
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(48))]
+
+    /// Over random shapes, strides, paddings and dilations whose output has a position, the
+    /// forward and both gradients equal Burn's within float rounding.
+    #[test]
+    fn any_geometry_equals_burns(
+        (n, c, c_out) in (1usize..3, 1usize..4, 1usize..4),
+        (h, w) in (1usize..9, 1usize..9),
+        (kh, kw) in (1usize..4, 1usize..4),
+        stride in 1usize..3,
+        padding in 0usize..2,
+        dilation in 1usize..3,
+        seed in 0u64..1000,
+    ) {
+        let fits = |size: usize, k: usize| size + 2 * padding > dilation * (k - 1);
+        proptest::prop_assume!(fits(h, kh) && fits(w, kw));
+        let x = random([n, c, h, w], seed);
+        let wt = random([c_out, c, kh, kw], seed + 1);
+        let options = ConvOptions::new([stride; 2], [padding; 2], [dilation; 2], 1);
+        let ours = tensor::<4>(forward(&prim(&x), &prim(&wt), None, &options).expect("taken"));
+        let burns = tensor::<4>(<Flex as ModuleOps<Flex>>::conv2d(prim(&x), prim(&wt), None, options.clone()));
+        proptest::prop_assert!(relative(ours.clone(), burns) < 1e-5);
+        let dy = random(ours.dims(), seed + 2);
+        let (dx, dw) = backward(&prim(&x), &prim(&wt), &prim(&dy), &options, (true, true)).expect("taken");
+        let bx = Flex::conv2d_x_backward(prim(&x), prim(&wt), prim(&dy), options.clone());
+        let bw = Flex::conv2d_weight_backward(prim(&x), prim(&wt), prim(&dy), options.clone());
+        proptest::prop_assert!(relative(tensor::<4>(dx.expect("asked")), tensor(bx)) < 1e-5);
+        proptest::prop_assert!(relative(tensor::<4>(dw.expect("asked")), tensor(bw)) < 1e-5);
+    }
+}

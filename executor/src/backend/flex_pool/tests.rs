@@ -83,3 +83,35 @@ fn the_autodiff_node_gives_burns_gradient() {
     };
     assert_eq!(grad(true), grad(false));
 }
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(48))]
+
+    /// Over random shapes, windows, strides and paddings (at most half the window, as
+    /// PyTorch allows), the values, indices and gradient equal flex's bit for bit.
+    #[test]
+    fn any_window_equals_flexs(
+        (n, c) in (1usize..3, 1usize..4),
+        (h, w) in (1usize..10, 1usize..10),
+        k in 1usize..4,
+        stride in 1usize..4,
+        padding in 0usize..2,
+        seed in 0u64..1000,
+    ) {
+        proptest::prop_assume!(2 * padding <= k && h + 2 * padding >= k && w + 2 * padding >= k);
+        let x = (random([n, c, h, w], seed) * 2.0).round() / 2.0;
+        let window = PoolWindow { kernel: [k; 2], stride: [stride; 2], padding: [padding; 2] };
+        let (out, idx) = forward(&prim(&x), window).expect("taken");
+        let flex = Flex::max_pool2d_with_indices(prim(&x), [k; 2], [stride; 2], [padding; 2], [1, 1], false);
+        let as_f = |t: FlexTensor| Tensor::<Flex, 4>::from_primitive(TensorPrimitive::Float(t)).into_data();
+        let as_i = |t: FlexTensor| Tensor::<Flex, 4, Int>::from_primitive(t).into_data();
+        proptest::prop_assert_eq!(as_f(out.clone()), as_f(flex.output));
+        proptest::prop_assert_eq!(as_i(idx.clone()), as_i(flex.indices.clone()));
+        let dy = random(out.layout().shape().as_slice().try_into().expect("4-D"), seed + 1);
+        let ours = backward([n, c, h, w], &prim(&dy), &idx).expect("taken");
+        let theirs = Flex::max_pool2d_with_indices_backward(
+            prim(&x), [k; 2], [stride; 2], [padding; 2], [1, 1], false, prim(&dy), flex.indices,
+        );
+        proptest::prop_assert_eq!(as_f(ours), as_f(theirs.x_grad));
+    }
+}
