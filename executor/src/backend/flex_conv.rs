@@ -102,9 +102,10 @@ impl Geometry {
         (lo, hi, inside(lo).unwrap_or(0))
     }
 
-    /// Calls `f(patch offset, input offset, count, input step)` for each run of a patch row that reads inside samples `first..first + m`
-    /// of a contiguous [n, c, h, w] input: the patch matrix is [C·kh·kw, m·L], row
-    /// (ci, ki, kj), column (sample, oh, ow); what no run names is padding.
+    /// Calls `f(patch offset, input offset, count, input step)` for each run of a patch row
+    /// that reads inside samples `first..first + m` of a contiguous [n, c, h, w] input: the
+    /// patch matrix is [C·kh·kw, m·L], row (ci, ki, kj), column (sample, oh, ow); what no run
+    /// names is padding.
     fn runs(&self, first: usize, m: usize, mut f: impl FnMut(usize, usize, usize, usize)) {
         let (l, cols) = (self.positions(), m * self.positions());
         for ci in 0..self.c {
@@ -161,11 +162,6 @@ impl Geometry {
     }
 }
 
-/// A tensor's values in row-major order (copied only where its layout is not).
-fn values(t: &FlexTensor) -> FlexTensor {
-    t.to_contiguous()
-}
-
 /// A 2-D `f32` tensor of `shape` owning `v`.
 fn matrix(v: Vec<f32>, shape: [usize; 2]) -> FlexTensor {
     FlexTensor::from_data(TensorData::new(v, shape))
@@ -173,7 +169,7 @@ fn matrix(v: Vec<f32>, shape: [usize; 2]) -> FlexTensor {
 
 /// The weight [C_out, C, kh, kw] as the matrix [C_out, C·kh·kw].
 fn weight_matrix(weight: &FlexTensor, g: &Geometry) -> FlexTensor {
-    Flex::float_reshape(values(weight), Shape::new([g.c_out, g.patch()]))
+    Flex::float_reshape(weight.to_contiguous(), Shape::new([g.c_out, g.patch()]))
 }
 
 /// `conv2d(x, weight) + bias`; None where `flex`'s own should run (another dtype, groups).
@@ -186,10 +182,11 @@ pub(crate) fn forward(
     let g = Geometry::of(x, weight, options)?;
     let bias = match bias {
         Some(b) if b.dtype() != DType::F32 || b.layout().num_elements() != g.c_out => return None,
-        Some(b) => Some(values(b)),
+        Some(b) => Some(b.to_contiguous()),
         None => None,
     };
-    let (x, w) = (values(x), weight_matrix(weight, &g));
+    let bias = bias.as_ref().map(|b| b.storage::<f32>());
+    let (x, w) = (x.to_contiguous(), weight_matrix(weight, &g));
     let (xs, l) = (x.storage::<f32>(), g.positions());
     let mut out = vec![0.0f32; g.n * g.c_out * l];
     let run = g.run();
@@ -202,9 +199,8 @@ pub(crate) fn forward(
             for co in 0..g.c_out {
                 let to = &mut out[((first + s) * g.c_out + co) * l..][..l];
                 to.copy_from_slice(&ys[co * m * l + s * l..][..l]);
-                if let Some(b) = &bias {
-                    let add = b.storage::<f32>()[co];
-                    to.iter_mut().for_each(|v| *v += add);
+                if let Some(b) = bias {
+                    to.iter_mut().for_each(|v| *v += b[co]);
                 }
             }
         }
@@ -225,7 +221,7 @@ pub(crate) fn backward(
     if dy.dtype() != DType::F32 || dy.layout().shape().as_slice() != [g.n, g.c_out, g.ho, g.wo] {
         return None;
     }
-    let (x, w, dy) = (values(x), weight_matrix(weight, &g), values(dy));
+    let (x, w, dy) = (x.to_contiguous(), weight_matrix(weight, &g), dy.to_contiguous());
     let (xs, dys, l) = (x.storage::<f32>(), dy.storage::<f32>(), g.positions());
     let wt = Flex::float_transpose(w);
     let mut dx = want_x.then(|| vec![0.0f32; g.n * g.c * g.h * g.w]);

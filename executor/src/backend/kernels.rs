@@ -309,11 +309,6 @@ pub trait ExecBackend: AutodiffBackend<InnerBackend: Kernels> + Kernels {}
 
 impl<B: AutodiffBackend<InnerBackend: Kernels> + Kernels> ExecBackend for B {}
 
-/// Attention weights softmax(q·kᵀ/√dh) over [batch, heads, seq, dh] queries and keys; with
-/// a `mask` (each query's and each key's position in the sequence — context parallelism: a
-/// member's queries against the gathered keys, in member order — and the sliding window), a
-/// key its query does not see gets weight 0 (its score is pushed to -1e9 first, which leaves the same softmax and gradient
-/// as removing it, without -∞ arithmetic).
 /// A 2-D convolution through [`Kernels::convolution`]: `x` [n, C, h, w] by `weight`
 /// [C_out, C/groups, kh, kw], plus `bias` [C_out].
 pub(crate) fn conv2d<B: Kernels>(
@@ -363,6 +358,11 @@ fn burn_conv2d_grads<B: Backend>(
     (dx, want_w.then(|| B::conv2d_weight_backward(x, weight, dy, options)))
 }
 
+/// Attention weights softmax(q·kᵀ/√dh) over [batch, heads, seq, dh] queries and keys; with
+/// a `mask` (each query's and each key's position in the sequence — context parallelism: a
+/// member's queries against the gathered keys, in member order — and the sliding window), a
+/// key its query does not see gets weight 0 (its score is pushed to -1e9 first, which leaves the same softmax and gradient
+/// as removing it, without -∞ arithmetic).
 pub(crate) fn attention_at<B: Kernels>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
