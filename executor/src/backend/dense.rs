@@ -34,7 +34,7 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::autodiff::{Autodiff, NodeId};
 use burn::tensor::backend::Backend;
-use burn::tensor::ops::FloatTensor;
+use burn::tensor::ops::{ConvOptions, FloatTensor};
 use burn::tensor::{Shape, Tensor, TensorMetadata, TensorPrimitive};
 use std::any::Any;
 use std::cell::RefCell;
@@ -425,9 +425,18 @@ impl<I: Kernels> Backward<I, 1> for ExchangeBackward {
 pub(crate) type Sums<I> = HashMap<NodeId, Option<FloatTensor<I>>>;
 
 /// Weight gradients a split backward's input pass put off ([`with_deferred_weight_gradients`]):
-/// per keyed weight, the operands `xᵀ` and `dy` of its product, in the order the backward
-/// reached them. [`add_deferred`] computes them.
-pub(crate) struct Deferred<I: Backend>(Vec<(NodeId, FloatTensor<I>, FloatTensor<I>)>);
+/// per keyed weight, what its gradient is computed from, in the order the backward reached
+/// them. [`add_deferred`] computes them.
+pub(crate) struct Deferred<I: Backend>(Vec<(NodeId, PutOff<I>)>);
+
+/// What one weight's put-off gradient is computed from.
+enum PutOff<I: Backend> {
+    /// A dense product's: `xᵀ · dy`.
+    Product(FloatTensor<I>, FloatTensor<I>),
+    /// A convolution's ([`Kernels::convolution_grads`]): its input, its weight (for the
+    /// shape) and its output's gradient.
+    Convolution { x: FloatTensor<I>, weight: FloatTensor<I>, dy: FloatTensor<I>, options: ConvOptions<2> },
+}
 
 impl<I: Backend> Default for Deferred<I> {
     fn default() -> Self {
@@ -445,7 +454,7 @@ impl<I: Backend> Deferred<I> {
     /// Takes out the products of the weights in `keys` (each weight's in their order),
     /// leaving the others' (a weight pass run bucket by bucket).
     pub(crate) fn take(&mut self, keys: &HashSet<NodeId>) -> Deferred<I> {
-        let (taken, kept) = std::mem::take(&mut self.0).into_iter().partition(|(n, _, _)| keys.contains(n));
+        let (taken, kept) = std::mem::take(&mut self.0).into_iter().partition(|(n, _)| keys.contains(n));
         self.0 = kept;
         Deferred(taken)
     }
@@ -595,11 +604,45 @@ pub(crate) fn with_deferred_weight_gradients<I: Backend, R>(
 /// backward adds them ([`with_gradient_sums`]), so a split backward's numbers are the
 /// unsplit one's bit for bit. Returns the sums.
 pub(crate) fn add_deferred<I: Kernels>(mut sums: Sums<I>, deferred: Deferred<I>) -> Sums<I> {
-    for (node, xt, dy) in deferred.0 {
+    for (node, put_off) in deferred.0 {
         let sum = sums.get_mut(&node).and_then(Option::take);
-        sums.insert(node, Some(sum_product::<I>(sum, xt, dy)));
+        let new = match put_off {
+            PutOff::Product(xt, dy) => sum_product::<I>(sum, xt, dy),
+            PutOff::Convolution { x, weight, dy, options } => {
+                let Some(dw) = I::convolution_grads(x, weight, dy, options, (false, true)).1 else { continue };
+                // the sums hold it flat, as the step's gradients are (Burn's gradient, added)
+                let dw = I::float_reshape(dw.clone(), Shape::new([dw.shape().num_elements()]));
+                match sum {
+                    Some(sum) => I::float_add(sum, dw),
+                    None => dw,
+                }
+            }
+        };
+        sums.insert(node, Some(new));
     }
     sums
+}
+
+/// Whether the installed backward puts weight `node`'s gradient off (the input half of a
+/// split backward, [`with_deferred_weight_gradients`]).
+pub(crate) fn defers<I: Backend>(node: NodeId) -> bool {
+    LENT.with(|s| {
+        matches!(s.borrow().as_ref().and_then(|b| b.downcast_ref::<Lent<I>>()), Some(Lent::Defer(keyed, _)) if keyed.contains(&node))
+    })
+}
+
+/// Keeps a convolution's weight-gradient operands (its input, its weight, its output's
+/// gradient) for the weight pass, where [`defers`] says so.
+pub(crate) fn put_off_convolution<I: Backend>(
+    node: NodeId,
+    (x, weight, dy): (FloatTensor<I>, FloatTensor<I>, FloatTensor<I>),
+    options: &ConvOptions<2>,
+) {
+    LENT.with(|s| {
+        if let Some(Lent::Defer(_, deferred)) = s.borrow_mut().as_mut().and_then(|b| b.downcast_mut::<Lent<I>>()) {
+            deferred.0.push((node, PutOff::Convolution { x, weight, dy, options: options.clone() }));
+        }
+    });
 }
 
 /// `sum + xt · dy`, in `sum`'s buffer where the backend can; `xt · dy` for the first.
@@ -630,7 +673,7 @@ fn add_to_sum<I: Kernels>(node: NodeId, xt: FloatTensor<I>, dy: FloatTensor<I>) 
             Lent::Sums(sums) => sums.get_mut(&node).map(Option::take),
             Lent::Defer(keyed, deferred) => {
                 if keyed.contains(&node) {
-                    deferred.0.extend(operands.take().map(|(xt, dy)| (node, xt, dy)));
+                    deferred.0.extend(operands.take().map(|(xt, dy)| (node, PutOff::Product(xt, dy))));
                 }
                 None
             }

@@ -132,17 +132,35 @@ impl Geometry {
     /// The patch matrix of samples `first..first + m` of `x` (contiguous [n, c, h, w]):
     /// [C·kh·kw, m·L], row (ci, ki, kj), column (sample, oh, ow); zeros in the padding.
     fn im2col(&self, x: &[f32], first: usize, m: usize) -> Vec<f32> {
-        let mut out = vec![0.0f32; self.patch() * m * self.positions()];
-        self.runs(first, m, |to, from, count, step| {
-            let dst = &mut out[to..to + count];
-            if step == 1 {
-                dst.copy_from_slice(&x[from..from + count]);
-            } else {
-                for (t, d) in dst.iter_mut().enumerate() {
-                    *d = x[from + t * step];
+        // each value written once, in order: no zeroed buffer to write over (zeroing the
+        // matrix first took longer than laying it out, docs/benchmarks.md)
+        let mut out = Vec::with_capacity(self.patch() * m * self.positions());
+        let zeros = |out: &mut Vec<f32>, count: usize| out.resize(out.len() + count, 0.0);
+        for ci in 0..self.c {
+            for ki in 0..self.kh {
+                for kj in 0..self.kw {
+                    let (lo, hi, iw0) = self.columns(kj);
+                    for s in 0..m {
+                        let plane = ((first + s) * self.c + ci) * self.h * self.w;
+                        for oh in 0..self.ho {
+                            match self.source_row(oh, ki).filter(|_| lo < hi) {
+                                None => zeros(&mut out, self.wo),
+                                Some(ih) => {
+                                    let from = plane + ih * self.w + iw0;
+                                    zeros(&mut out, lo);
+                                    if self.stride[1] == 1 {
+                                        out.extend_from_slice(&x[from..from + hi - lo]);
+                                    } else {
+                                        out.extend((0..hi - lo).map(|t| x[from + t * self.stride[1]]));
+                                    }
+                                    zeros(&mut out, self.wo - hi);
+                                }
+                            }
+                        }
+                    }
                 }
             }
-        });
+        }
         out
     }
 
@@ -188,7 +206,8 @@ pub(crate) fn forward(
     let bias = bias.as_ref().map(|b| b.storage::<f32>());
     let (x, w) = (x.to_contiguous(), weight_matrix(weight, &g));
     let (xs, l) = (x.storage::<f32>(), g.positions());
-    let mut out = vec![0.0f32; g.n * g.c_out * l];
+    // [n, C_out, L] filled in order, run after run
+    let mut out = Vec::with_capacity(g.n * g.c_out * l);
     let run = g.run();
     for first in (0..g.n).step_by(run) {
         let m = run.min(g.n - first);
@@ -197,10 +216,10 @@ pub(crate) fn forward(
         let ys = y.storage::<f32>();
         for s in 0..m {
             for co in 0..g.c_out {
-                let to = &mut out[((first + s) * g.c_out + co) * l..][..l];
-                to.copy_from_slice(&ys[co * m * l + s * l..][..l]);
-                if let Some(b) = bias {
-                    to.iter_mut().for_each(|v| *v += b[co]);
+                let from = &ys[co * m * l + s * l..][..l];
+                match bias {
+                    Some(b) => out.extend(from.iter().map(|v| v + b[co])),
+                    None => out.extend_from_slice(from),
                 }
             }
         }
@@ -230,10 +249,10 @@ pub(crate) fn backward(
     for first in (0..g.n).step_by(run) {
         let m = run.min(g.n - first);
         // this run's output gradient as [C_out, m·L]
-        let mut d = vec![0.0f32; g.c_out * m * l];
-        for s in 0..m {
-            for co in 0..g.c_out {
-                d[co * m * l + s * l..][..l].copy_from_slice(&dys[((first + s) * g.c_out + co) * l..][..l]);
+        let mut d = Vec::with_capacity(g.c_out * m * l);
+        for co in 0..g.c_out {
+            for s in 0..m {
+                d.extend_from_slice(&dys[((first + s) * g.c_out + co) * l..][..l]);
             }
         }
         let d = matrix(d, [g.c_out, m * l]);

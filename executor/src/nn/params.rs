@@ -480,6 +480,54 @@ mod tests {
         }
     }
 
+    #[derive(Module, Debug)]
+    struct Convs<B: Backend> {
+        w1: Param<Tensor<B, 4>>,
+        bias: Param<Tensor<B, 1>>,
+        w2: Param<Tensor<B, 4>>,
+    }
+
+    fn conv_loss(m: &Convs<B>, x: Tensor<B, 4>) -> Tensor<B, 1> {
+        use crate::backend::kernels::conv2d;
+        let same = burn::tensor::ops::ConvOptions::new([1, 1], [1, 1], [1, 1], 1);
+        let strided = burn::tensor::ops::ConvOptions::new([2, 2], [0, 0], [1, 1], 1);
+        let h = burn::tensor::activation::relu(conv2d(x, m.w1.val(), Some(m.bias.val()), same));
+        conv2d(h, m.w2.val(), None, strided).sum()
+    }
+
+    /// The same for convolutions: the input half of a split backward keeps both weights'
+    /// operands (not the bias's gradient, which is Burn's) and computes the input gradient
+    /// alone; the weight half adds their gradients. The sums and the input gradient are the
+    /// whole backward's bit for bit.
+    #[test]
+    fn a_split_backward_of_convolutions_gives_the_whole_backwards_sums_bit_for_bit() {
+        let m = Convs::<B> {
+            w1: Param::from_tensor(random([6, 3, 3, 3], 31).require_grad()),
+            bias: Param::from_tensor(random([6], 32).require_grad()),
+            w2: Param::from_tensor(random([4, 6, 2, 2], 33).require_grad()),
+        };
+        let xs = [random([2, 3, 9, 9], 34).require_grad(), random([2, 3, 9, 9], 35).require_grad()];
+        let keys = sum_keys(&m);
+        let (mut whole, mut split): (FlatGrads<B>, FlatGrads<B>) = (Vec::new(), Vec::new());
+        for x in &xs {
+            let mut grads = backward_into_sums::<B>(&mut whole, &keys, || conv_loss(&m, x.clone()).backward());
+            let dx_whole = x.grad_remove(&mut grads).expect("an input gradient").into_data();
+            accumulate::<B>(&mut whole, collect_grads(&m, &mut grads));
+
+            let (mut grads, deferred) = backward_deferring::<B>(&keys, || conv_loss(&m, x.clone()).backward());
+            assert_eq!(deferred.len(), 2, "both convolutions' weight gradients wait for the weight half");
+            let dx_split = x.grad_remove(&mut grads).expect("an input gradient").into_data();
+            assert_eq!(dx_split, dx_whole, "the input gradient is the whole backward's");
+            let rest = collect_grads(&m, &mut grads);
+            assert!(rest[0].is_none() && rest[2].is_none() && rest[1].is_some(), "only the bias's is Burn's");
+            add_deferred_into_sums::<B>(&mut split, &keys, deferred);
+            accumulate::<B>(&mut split, rest);
+        }
+        for (i, (a, b)) in values(&whole).iter().zip(values(&split)).enumerate() {
+            assert_eq!(a, &b, "parameter {i}");
+        }
+    }
+
     /// An update's copies: the weights whose forwards ran from a transposed copy are named
     /// and their copies dropped before the update, and only those get the new version's
     /// copy after it (here `w1`; `w2`'s 16 × 8 products are left to the direct product).

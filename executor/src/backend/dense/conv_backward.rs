@@ -57,6 +57,15 @@ impl ConvBackward {
             let db = d.reshape([n, c, h * w]).sum_dim(2).sum_dim(0).reshape([c]);
             grads.register::<I>(id, db.into_primitive().tensor());
         }
+        // the input half of a split backward puts the weight's gradient off to the weight
+        // pass (`super::put_off_convolution`)
+        let to_w = match to_w {
+            Some(id) if super::defers::<I>(id) => {
+                super::put_off_convolution::<I>(id, (x.clone(), weight.clone(), dy.clone()), &self.options);
+                None
+            }
+            to_w => to_w,
+        };
         if to_x.is_none() && to_w.is_none() {
             return;
         }
