@@ -108,6 +108,21 @@ pub fn run(out: PathBuf, backend: Backend, memory: &str, reps: usize, concurrent
             t.bandwidth / 1e9
         );
     }
+    if let Some(t) = d.memory_traffic {
+        eprintln!(
+            "element-wise kernels' bytes beyond {:.0} KiB at {:.2} GB/s (those within at the memory figure below)",
+            t.cached / 1024.0,
+            t.bandwidth / 1e9
+        );
+    }
+    if let Some(r) = d.data {
+        eprintln!(
+            "synthetic data drawn as training runs: {:.1} ns a normal input value, {:.1} ns a token, {:.2} ns a term of the teacher's scores",
+            r.feature * 1e9,
+            r.token * 1e9,
+            r.score * 1e9
+        );
+    }
     if let Some(o) = d.optimizer {
         eprintln!("{:>22} {:>14} {:>14}", "optimizer update", "per tensor", "per parameter");
         for (name, r) in [("sgd", o.sgd), ("momentum", o.momentum), ("adam", o.adam)] {

@@ -59,6 +59,30 @@ pub(crate) struct PlanCost<'a> {
     /// at the update's side (`with_update_sums`), the row counts exchanged before an
     /// expert dispatch (`with_ep_counts`).
     in_line: HashMap<(DeviceId, Instr), f64>,
+    /// Seconds of a microbatch's load: pipec's executor drawing its synthetic samples as
+    /// training runs, where the device measured that ([`load_seconds`]); else 0.
+    load: f64,
+}
+
+/// Seconds pipec's executor takes to draw one microbatch of the spec's synthetic data as
+/// training runs (its inputs, or its labels: each draws the samples whole), at the device's
+/// measured rates (`DeviceModel::data`, the CPU's `pipec calibrate`); 0 where the data come
+/// from a file or are drawn once and kept (`pipec_plan::plan::synthetic_draw`), or the device
+/// has no such rates.
+pub(crate) fn load_seconds(spec: &Spec, device: &pipec_plan::device::DeviceModel, microbatch: usize) -> f64 {
+    let (Some(rates), pipec_grammar::ast::Data::Synthetic { task, samples }) = (device.data, &spec.training.data)
+    else {
+        return 0.0;
+    };
+    let model = &spec.model;
+    let vocab = model.token_vocab();
+    let lm = pipec_plan::model::language_model_positions(&model.input, model.output_shape(), vocab).is_some()
+        && *task == pipec_plan::Task::Classification;
+    let values = (model.input.iter().product(), model.output_shape().iter().product());
+    match pipec_plan::plan::synthetic_draw(*samples, values, vocab.is_some(), lm) {
+        Some(d) => microbatch as f64 * rates.seconds((d.features, d.tokens, d.scores)),
+        None => 0.0,
+    }
 }
 
 impl<'a> PlanCost<'a> {
@@ -91,6 +115,7 @@ impl<'a> PlanCost<'a> {
             summed_over,
             shapes: Default::default(),
             in_line: HashMap::new(),
+            load: load_seconds(spec, &model.cluster.device, model.microbatch_size),
         }
     }
 
@@ -250,6 +275,9 @@ impl PlanCost<'_> {
 impl PlanCost<'_> {
     /// An instruction's kernels and the collectives inside it, from its stage's figures.
     fn kernels(&self, instr: &Instr) -> f64 {
+        if let Instr::LoadMicrobatch { .. } = instr {
+            return self.load;
+        }
         let s = instr.stage().0 as usize;
         let (f, b) = self.stage_fb.get(s).copied().unwrap_or((0.0, 0.0));
         let (tp_f, tp_b) = self.stage_tp.get(s).copied().unwrap_or((0.0, 0.0));

@@ -161,7 +161,12 @@ pub struct DeviceModel {
     /// measured it (the CPU); None on the presets, whose products cost the slower of their
     /// compute and their memory traffic (the roofline).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub product_traffic: Option<ProductTraffic>,
+    pub product_traffic: Option<Traffic>,
+    /// An element-wise kernel's bytes beyond the cache, where `pipec calibrate` measured
+    /// them moving slower than those within it (the CPU, [`Traffic`]); None: every byte at
+    /// [`memory_bandwidth`](Self::memory_bandwidth) on its curve.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_traffic: Option<Traffic>,
     /// Attention (its heads split from the projection, scores, softmax, weighted sum, the
     /// heads merged back) as the executor runs it, where `pipec calibrate` measured it (the
     /// CPU); None on the presets, whose attention is priced kernel by kernel.
@@ -179,6 +184,32 @@ pub struct DeviceModel {
     /// `overhead` of its own plans with it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub layer_pass: Option<f64>,
+    /// pipec's executor drawing synthetic data as training runs, as `pipec calibrate`
+    /// measured it (the CPU); None on the presets, whose data loading is not priced.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data: Option<DrawRates>,
+}
+
+/// Seconds pipec's executor takes per value it draws for synthetic data
+/// (`crate::plan::SampleDraw`): a normal input value (Box–Muller in f64), a token, a term of
+/// the teacher's scores.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DrawRates {
+    pub feature: f64,
+    pub token: f64,
+    pub score: f64,
+}
+
+impl DrawRates {
+    /// Seconds of a draw of `features` values, `tokens` tokens and `scores` score terms.
+    pub fn seconds(&self, (features, tokens, scores): (usize, usize, usize)) -> f64 {
+        features as f64 * self.feature + tokens as f64 * self.token + scores as f64 * self.score
+    }
+
+    fn is_valid(&self) -> bool {
+        [self.feature, self.token, self.score].iter().all(|v| v.is_finite() && *v >= 0.0)
+    }
 }
 
 /// Attention's forward and backward as `pipec calibrate` fits them over a sweep of shapes.
@@ -219,17 +250,27 @@ impl AttentionFit {
     }
 }
 
-/// A product's operand traffic beyond the cache, as `pipec calibrate` fits it on the CPU
-/// to stacks of layers run as a step runs them (weights, their transposed copies and their
-/// gradients' sums that do not all stay in cache). A product of `bytes` operands then costs
-/// the 2-norm of its compute and `(bytes − cached) / bandwidth`: the two overlap in part.
+/// A kernel's traffic beyond the cache, as `pipec calibrate` fits it on the CPU.
+/// - A product's operands ([`DeviceModel::product_traffic`]), fitted to stacks of layers run
+///   as a step runs them (weights, their transposed copies and their gradients' sums that
+///   do not all stay in cache): a product of `bytes` operands costs the 2-norm of its
+///   compute and `(bytes − cached) / bandwidth`, the two overlapping in part; its first
+///   `cached` bytes cost nothing.
+/// - An element-wise kernel's bytes ([`DeviceModel::memory_traffic`]), fitted to the adds:
+///   its first `cached` bytes move at the memory curve's rate, the rest at `bandwidth`.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct ProductTraffic {
-    /// Bytes per second of the operands beyond the cache.
+pub struct Traffic {
+    /// Bytes per second beyond the cache.
     pub bandwidth: f64,
-    /// Bytes of a product's operands that cost no traffic (held in cache).
+    /// Bytes held in cache.
     pub cached: f64,
+}
+
+impl Traffic {
+    fn is_valid(&self) -> bool {
+        self.bandwidth.is_finite() && self.bandwidth > 0.0 && self.cached.is_finite() && self.cached >= 0.0
+    }
 }
 
 /// Measured optimizer updates, per optimizer (AdamW priced as Adam).
@@ -304,9 +345,11 @@ impl DeviceModel {
             link: None,
             optimizer: None,
             product_traffic: None,
+            memory_traffic: None,
             attention: None,
             power: None,
             layer_pass: None,
+            data: None,
         }
     }
 
@@ -356,10 +399,10 @@ impl DeviceModel {
                 ));
             }
         }
-        if let Some(t) = d.product_traffic {
-            if !(t.bandwidth.is_finite() && t.bandwidth > 0.0 && t.cached.is_finite() && t.cached >= 0.0) {
+        for (what, t) in [("products'", d.product_traffic), ("element-wise kernels'", d.memory_traffic)] {
+            if let Some(t) = t.filter(|t| !t.is_valid()) {
                 return Err(format!(
-                    "the products' traffic needs a positive bandwidth and cached bytes of 0 or more, found {t:?}"
+                    "the {what} traffic needs a positive bandwidth and cached bytes of 0 or more, found {t:?}"
                 ));
             }
         }
@@ -367,6 +410,9 @@ impl DeviceModel {
             if !(a.forward.is_valid() && a.backward.is_valid()) {
                 return Err(format!("the attention's figures must be finite and not negative, found {a:?}"));
             }
+        }
+        if let Some(r) = d.data.filter(|r| !r.is_valid()) {
+            return Err(format!("the synthetic data's draw needs finite seconds of 0 or more per value, found {r:?}"));
         }
         if d.layer_pass.is_some_and(|s| !(s.is_finite() && s >= 0.0)) {
             return Err(format!(
@@ -491,12 +537,18 @@ impl DeviceModel {
     }
 
     /// Seconds to move `bytes` through device memory at the efficiency of a kernel that
-    /// size.
+    /// size; with a measured [`memory_traffic`](Self::memory_traffic), the bytes beyond its
+    /// cache at its bandwidth.
     pub fn memory_time(&self, bytes: f64) -> f64 {
         if bytes <= 0.0 || !self.memory_bandwidth.is_finite() {
             return 0.0;
         }
-        bytes / (self.memory_bandwidth * self.memory_efficiency.at(bytes))
+        let within = match self.memory_traffic {
+            Some(t) => bytes.min(t.cached),
+            None => bytes,
+        };
+        let beyond = self.memory_traffic.map_or(0.0, |t| (bytes - t.cached).max(0.0) / t.bandwidth);
+        within / (self.memory_bandwidth * self.memory_efficiency.at(bytes)) + beyond
     }
 }
 
@@ -926,13 +978,13 @@ mod tests {
         assert!((d.matrix_time(1e8, 4e7, Precision::Fp32) - 1e-3).abs() < 1e-15);
         // with the products' traffic: (4e7 − 1e7 cached) bytes at 1e10 B/s take 3 ms,
         // beside 1 ms of compute: √(1² + 3²) ms
-        d.product_traffic = Some(ProductTraffic { bandwidth: 1e10, cached: 1e7 });
+        d.product_traffic = Some(Traffic { bandwidth: 1e10, cached: 1e7 });
         let t = d.matrix_time(1e8, 4e7, Precision::Fp32);
         assert!((t - 10f64.sqrt() * 1e-3).abs() < 1e-12, "{t}");
         // operands the cache holds cost nothing beyond the compute
         assert!((d.matrix_time(1e8, 5e6, Precision::Fp32) - 1e-3).abs() < 1e-15);
         // a device file with a bandwidth of 0 is refused
-        d.product_traffic = Some(ProductTraffic { bandwidth: 0.0, cached: 0.0 });
+        d.product_traffic = Some(Traffic { bandwidth: 0.0, cached: 0.0 });
         assert!(DeviceModel::from_json(&serde_json::to_string(&d).expect("json")).is_err());
     }
 }

@@ -276,6 +276,45 @@ pub enum DataPlan {
     },
 }
 
+/// The most values (every sample's inputs and outputs) of a finite synthetic data set that
+/// pipec's executor draws once and keeps; a larger one, like an endless one, is drawn as
+/// training runs.
+pub const SYNTHETIC_KEPT_VALUES: usize = 64 << 20;
+
+/// What pipec's executor draws for one sample of synthetic data as training runs: normal
+/// input values, uniform tokens, and the terms of the teacher's scores (one per input value
+/// and output) that make its label or target.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SampleDraw {
+    pub features: usize,
+    pub tokens: usize,
+    pub scores: usize,
+}
+
+/// Each sample's draw, where pipec's executor draws the samples of a synthetic data set of
+/// `samples` distinct ones (None: endless) as training runs, for a model of `numel` input
+/// values (token ids where `tokens`) and `outputs` output values; None where it draws them
+/// once and keeps them ([`SYNTHETIC_KEPT_VALUES`]). A language model's sequences
+/// (`language_model`) are drawn token by token, each one's successor, always.
+pub fn synthetic_draw(
+    samples: Option<usize>,
+    (numel, outputs): (usize, usize),
+    tokens: bool,
+    language_model: bool,
+) -> Option<SampleDraw> {
+    if language_model {
+        return Some(SampleDraw { features: 0, tokens: numel + 1, scores: 0 });
+    }
+    if samples.is_some_and(|n| n > 0 && n.saturating_mul(numel + outputs) <= SYNTHETIC_KEPT_VALUES) {
+        return None;
+    }
+    let scores = numel * outputs;
+    Some(match tokens {
+        true => SampleDraw { features: 0, tokens: numel, scores },
+        false => SampleDraw { features: numel, tokens: 0, scores },
+    })
+}
+
 /// The training loop's settings.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TrainingPlan {

@@ -310,6 +310,58 @@ pub fn fit(name: &str, memory: f64, launch: f64, products: &[Point], adds: &[(us
     }
 }
 
+/// The element-wise adds' bytes beyond the cache (`DeviceModel::memory_traffic`): where
+/// the larger adds move their bytes slower than the line through all of them says (on this
+/// 2-core machine, measured two at once, 61 GB/s up to 0.8 MB and 16–30 GB/s beyond, where
+/// the one line gave 48 GB/s for all: the 12.6 MB add took 2.3 times its price), the adds
+/// are split at each measured size: the line through those up to it, its bytes `cached`,
+/// and the bandwidth beyond that makes the larger ones' times closest (relative least
+/// squares). The split whose model is closest over every add is kept where it is closer
+/// than the one line and its bandwidth beyond is the slower.
+pub fn fit_memory_traffic(c: &mut Calibration) {
+    let mut adds = c.adds.clone();
+    adds.sort_by(|a, b| a.1.size.total_cmp(&b.1.size));
+    let error = |d: &DeviceModel| {
+        adds.iter().map(|(n, p)| ((d.vector_time(*n as f64, p.size) - p.seconds) / p.seconds.max(1e-12)).powi(2)).sum()
+    };
+    let mut best: (f64, Option<DeviceModel>) = (error(&c.device), None);
+    // at least two adds on the line, one beyond it
+    for k in 2..adds.len() {
+        let within: Vec<(usize, Point)> = adds[..k].to_vec();
+        let cached = within[k - 1].1.size;
+        let line = fit(&c.device.name, c.device.memory, c.device.launch, &[], &within);
+        let mut d = DeviceModel {
+            memory_bandwidth: line.memory_bandwidth,
+            memory_efficiency: line.memory_efficiency,
+            memory_traffic: None,
+            ..c.device.clone()
+        };
+        // the seconds per byte beyond `cached`, by weighted least squares on the larger adds
+        let (mut num, mut den) = (0.0, 0.0);
+        for (n, p) in &adds[k..] {
+            let base = d.vector_time(*n as f64, cached.min(p.size));
+            let (x, w) = (p.size - cached, 1.0 / (p.seconds * p.seconds).max(1e-24));
+            num += w * x * (p.seconds - base);
+            den += w * x * x;
+        }
+        if !(num > 0.0 && den > 0.0) {
+            continue;
+        }
+        let bandwidth = den / num;
+        if !(bandwidth.is_finite() && bandwidth < d.memory_bandwidth) {
+            continue;
+        }
+        d.memory_traffic = Some(pipec_plan::device::Traffic { bandwidth, cached });
+        let e = error(&d);
+        if e < best.0 {
+            best = (e, Some(d));
+        }
+    }
+    if let Some(d) = best.1 {
+        c.device = d;
+    }
+}
+
 /// The executor's optimizer updates timed on `B`: for each optimizer, one update of a few
 /// large tensors (4 × linear(1024, 1024): 4.2 M parameters in 8 tensors) and of many small
 /// ones (64 × linear(16, 16): 17,408 in 128), each the median of `reps`, solved for the
@@ -508,8 +560,11 @@ pub fn calibrate_cpu_concurrent(memory: f64, reps: usize, threads: usize) -> Res
             attention_passes::<crate::backend::CpuBackend>(&Default::default(), reps, ATTENTION_SHAPES, &meet)?;
         meet();
         let optimizer = optimizer_rates::<crate::backend::CpuBackend>(&Default::default(), reps);
+        meet();
+        let data = crate::interp::data::Dataset::draw_rates(reps);
         let mut c = fitted("", memory, launch, products, c.adds, functions);
         c.device.optimizer = Some(optimizer);
+        c.device.data = Some(data);
         c.attention = attention;
         Ok(c)
     };
@@ -552,6 +607,7 @@ pub fn calibrate_cpu_concurrent(memory: f64, reps: usize, threads: usize) -> Res
     };
     let mut c = mean_calibration(&runs, memory, &name);
     fit_product_traffic(&mut c);
+    fit_memory_traffic(&mut c);
     c.device.attention = attention_rates(&c.attention);
     Ok(c)
 }
@@ -582,6 +638,17 @@ fn mean_calibration(runs: &[Calibration], memory: f64, name: &str) -> Calibratio
     c.attention = (0..first.attention.len())
         .map(|i| (first.attention[i].0, mean(&|c| c.attention[i].1), mean(&|c| c.attention[i].2)))
         .collect();
+    // the synthetic data's draws, averaged over the copies that measured them
+    let draws: Vec<pipec_plan::device::DrawRates> = runs.iter().filter_map(|c| c.device.data).collect();
+    if !draws.is_empty() {
+        let k = draws.len() as f64;
+        let avg = |f: &dyn Fn(&pipec_plan::device::DrawRates) -> f64| draws.iter().map(f).sum::<f64>() / k;
+        c.device.data = Some(pipec_plan::device::DrawRates {
+            feature: avg(&|r| r.feature),
+            token: avg(&|r| r.token),
+            score: avg(&|r| r.score),
+        });
+    }
     // the optimizer's figures, averaged over the copies that measured them
     let rates: Vec<OptimizerRates> = runs.iter().filter_map(|c| c.device.optimizer).collect();
     if !rates.is_empty() {
@@ -635,11 +702,16 @@ pub fn cpu_name() -> String {
     format!("{model} × {cpus}")
 }
 
+/// What the calibration measures and fits, revised when either changes (2: the element-wise
+/// kernels' bytes beyond the cache, [`fit_memory_traffic`], and the synthetic data's draws).
+const MEASURES: u32 = 2;
+
 /// The file under `dir` that keeps the calibration of `workers` workers on the CPU `cpu`
-/// (`pipec run`'s cache of this machine): named by FNV-1a of the CPU's name, the worker count
-/// and this version, so another machine, worker count or version measures again.
+/// (`pipec run`'s cache of this machine): named by FNV-1a of the CPU's name, the worker count,
+/// this version and [`MEASURES`], so another machine, worker count, version or measurement
+/// measures again.
 pub fn cache_file(dir: &std::path::Path, cpu: &str, workers: usize) -> std::path::PathBuf {
-    let key = format!("{cpu}|{workers}|{}", env!("CARGO_PKG_VERSION"));
+    let key = format!("{cpu}|{workers}|{}|{MEASURES}", env!("CARGO_PKG_VERSION"));
     let hash = key.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3));
     dir.join(format!("cpu-{workers}w-{hash:016x}.json"))
 }

@@ -4,7 +4,7 @@
 use std::time::Instant;
 
 use burn::tensor::{Distribution, Tensor};
-use pipec_plan::device::{AttentionFit, AttentionRates, Curve, ProductTraffic};
+use pipec_plan::device::{AttentionFit, AttentionRates, Curve, Traffic};
 
 use super::*;
 
@@ -72,16 +72,16 @@ pub fn layer_products<B: crate::backend::kernels::ExecBackend>(
     points
 }
 
-/// The products' model (matrix rate, its curve's `half`, [`ProductTraffic`]) closest to
+/// The products' model (matrix rate, its curve's `half`, [`Traffic`]) closest to
 /// `points` (FLOPs, operand bytes, seconds) in relative error, with its summed squared
 /// relative error: a grid over the cached bytes (none, or 32 KiB to 32 MiB in √2 steps),
 /// the halves (none, or 10²–10¹⁰ FLOPs in quarter decades) and the bandwidths (1 GB/s to
 /// 1 TB/s in 12% steps), the rate for each found by golden-section search (10⁸–10¹⁴ FLOP/s).
-pub fn fit_products_with_traffic(points: &[(f64, f64, f64)], launch: f64) -> Option<(f64, f64, ProductTraffic, f64)> {
+pub fn fit_products_with_traffic(points: &[(f64, f64, f64)], launch: f64) -> Option<(f64, f64, Traffic, f64)> {
     if points.len() < 2 || points.iter().any(|&(f, b, t)| !(f > 0.0 && b >= 0.0 && t > 0.0 && t.is_finite())) {
         return None;
     }
-    let error = |rate: f64, half: f64, t: ProductTraffic| {
+    let error = |rate: f64, half: f64, t: Traffic| {
         points
             .iter()
             .map(|&(flops, bytes, seconds)| {
@@ -92,12 +92,12 @@ pub fn fit_products_with_traffic(points: &[(f64, f64, f64)], launch: f64) -> Opt
             .sum::<f64>()
     };
     let cached = std::iter::once(0.0).chain((0..=20).map(|i| 32768.0 * 2f64.powf(i as f64 / 2.0)));
-    let mut best: Option<(f64, f64, ProductTraffic, f64)> = None;
+    let mut best: Option<(f64, f64, Traffic, f64)> = None;
     for cached in cached {
         let halves = std::iter::once(0.0).chain((0..=32).map(|i| 1e2 * 10f64.powf(i as f64 / 4.0)));
         for half in halves {
             for b in 0..=60 {
-                let traffic = ProductTraffic { bandwidth: 1e9 * 10f64.powf(b as f64 / 20.0), cached };
+                let traffic = Traffic { bandwidth: 1e9 * 10f64.powf(b as f64 / 20.0), cached };
                 // golden-section search of log10(rate)
                 let g = (5f64.sqrt() - 1.0) / 2.0;
                 let at = |x: f64| error(10f64.powf(x), half, traffic);

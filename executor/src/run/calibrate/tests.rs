@@ -1,11 +1,11 @@
 use super::*;
-use pipec_plan::device::{AttentionFit, ProductTraffic};
+use pipec_plan::device::{AttentionFit, Traffic};
 
 #[test]
 fn the_products_fit_finds_the_traffic_the_points_were_made_with() {
     // points from 2e11 FLOP/s reaching half of it at 1e6 FLOPs, operands beyond 1 MiB at
     // 1e10 B/s, a launch of 0.3 µs: the sweep's shapes
-    let (rate, half, traffic, launch) = (2e11, 1e6, ProductTraffic { bandwidth: 1e10, cached: 1048576.0 }, 3e-7);
+    let (rate, half, traffic, launch) = (2e11, 1e6, Traffic { bandwidth: 1e10, cached: 1048576.0 }, 3e-7);
     let mut d = DeviceModel::uniform("truth", 1e9, rate);
     (d.matrix_efficiency, d.product_traffic, d.launch) = (Curve { peak: 1.0, half }, Some(traffic), launch);
     let points: Vec<(f64, f64, f64)> = Sweep::CPU
