@@ -155,6 +155,15 @@ impl<I: Kernels, C: CheckpointStrategy> Kernels for Autodiff<I, C> {
         pool_backward::max_pool::<I, C>(x, window)
     }
 
+    fn batch_norm(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        eps: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        norm_backward::batch_norm::<I, C>(x, gamma, beta, eps)
+    }
+
     fn embed(w: Tensor<Self, 2>, ids: Tensor<Self, 2, burn::tensor::Int>) -> Tensor<Self, 3> {
         let w = w.into_primitive().tensor();
         // ZeRO-3: a table gathered for this lookup only; its backward needs none of it (the
@@ -691,6 +700,7 @@ fn add_to_sum<I: Kernels>(node: NodeId, xt: FloatTensor<I>, dy: FloatTensor<I>) 
 }
 
 mod conv_backward;
+mod norm_backward;
 mod pool_backward;
 mod ring_backward;
 #[cfg(test)]

@@ -115,6 +115,30 @@ pub trait Kernels: Backend {
         burn_conv2d_grads::<Self>(x, weight, dy, options, want)
     }
 
+    /// Batch normalisation in training of `x` [n, C, h, w] by its own per-channel mean and
+    /// biased variance, `(x − mean)·γ/√(var + ε) + β`: (output, mean, variance), by
+    /// default on Burn's operations (`crate::backend::norm`).
+    fn batch_norm(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        eps: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        crate::backend::norm::forward::<Self>(x, gamma, beta, eps)
+    }
+
+    /// [`Kernels::batch_norm`]'s gradients (dx, dγ, dβ) from its output's gradient `dy`,
+    /// with the mean and variance it used (by default on Burn's operations).
+    fn batch_norm_grads(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        stats: (FloatTensor<Self>, FloatTensor<Self>),
+        dy: FloatTensor<Self>,
+        eps: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        crate::backend::norm::gradients::<Self>(x, gamma, stats, dy, eps)
+    }
+
     /// Max pooling of `x` [n, C, h, w] by `window`: the pooled tensor and each output's
     /// largest value's offset in its input plane (by default Burn's).
     fn max_pool(x: FloatTensor<Self>, window: PoolWindow) -> Pooled<Self> {
@@ -256,6 +280,28 @@ impl Kernels for burn::backend::Flex {
         }
     }
 
+    fn batch_norm(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        eps: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        // fused (crate::backend::flex_norm), Burn's operations for what it does not take
+        crate::backend::flex_norm::forward(&x, &gamma, &beta, eps)
+            .unwrap_or_else(|| crate::backend::norm::forward::<Self>(x, gamma, beta, eps))
+    }
+
+    fn batch_norm_grads(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        (mean, var): (FloatTensor<Self>, FloatTensor<Self>),
+        dy: FloatTensor<Self>,
+        eps: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        crate::backend::flex_norm::gradients(&x, &gamma, (&mean, &var), &dy, eps)
+            .unwrap_or_else(|| crate::backend::norm::gradients::<Self>(x, gamma, (mean, var), dy, eps))
+    }
+
     fn max_pool(x: FloatTensor<Self>, window: PoolWindow) -> Pooled<Self> {
         // one plane at a time (crate::backend::flex_pool), flex's own for what it does not take
         crate::backend::flex_pool::forward(&x, window).unwrap_or_else(|| burn_max_pool::<Self>(x, window))
@@ -326,6 +372,23 @@ pub(crate) fn conv2d<B: Kernels>(
 pub type Pooled<B> = (FloatTensor<B>, IntTensor<B>);
 
 /// Max pooling through [`Kernels::max_pool`] ([n, C, h, w] by `window`).
+/// [`Kernels::batch_norm`] on tensors: (output, mean, variance).
+pub(crate) fn batch_norm<B: Kernels>(
+    x: Tensor<B, 4>,
+    gamma: Tensor<B, 1>,
+    beta: Tensor<B, 1>,
+    eps: f64,
+) -> (Tensor<B, 4>, Tensor<B, 1>, Tensor<B, 1>) {
+    let (y, mean, var) = B::batch_norm(
+        x.into_primitive().tensor(),
+        gamma.into_primitive().tensor(),
+        beta.into_primitive().tensor(),
+        eps,
+    );
+    let wrap1 = |t| Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(t));
+    (Tensor::from_primitive(TensorPrimitive::Float(y)), wrap1(mean), wrap1(var))
+}
+
 pub(crate) fn max_pool<B: Kernels>(x: Tensor<B, 4>, window: PoolWindow) -> Tensor<B, 4> {
     Tensor::from_primitive(TensorPrimitive::Float(B::max_pool(x.into_primitive().tensor(), window).0))
 }
