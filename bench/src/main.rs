@@ -495,11 +495,13 @@ fn kernels() {
     }
 }
 
-/// The example CNNs' convolutions and pools on the CPU, forward and backward through
-/// autodiff (`sum()` of the output as the loss): Burn's own (`flex`'s im2col forward, Burn's
-/// default gradients: a transposed convolution and a convolution by the output's gradient;
-/// `flex`'s pool) against pipec's (`Kernels::convolution`, `Kernels::max_pool`: the patch
-/// matrix's products, one plane at a time); median of 40 after 5 warm-ups, one thread.
+/// The example CNNs' convolutions, pools and batch norms on the CPU, forward and backward
+/// through autodiff (`sum()` of the output as the loss): Burn's own (`flex`'s im2col
+/// forward, Burn's default gradients: a transposed convolution and a convolution by the
+/// output's gradient; `flex`'s pool; batch normalisation on Burn's operations) against
+/// pipec's (`Kernels::convolution`, `Kernels::max_pool`, `Kernels::batch_norm`: the patch
+/// matrix's products, one plane at a time, fused); median of 40 after 5 warm-ups, one
+/// thread.
 fn convolutions() {
     use burn::tensor::ops::ConvOptions;
     use burn::tensor::{Distribution, Tensor, TensorPrimitive};
@@ -554,6 +556,28 @@ fn convolutions() {
                 burn::tensor::module::max_pool2d(x.clone(), [2, 2], [2, 2], [0, 0], [1, 1], false)
             };
             drop(x.grad(&y.sum().backward()));
+        };
+        let (burn, ours) = (ms(&mut || pass(false)), ms(&mut || pass(true)));
+        println!("| {what} | {shape:?} | {burn:.3} | {ours:.3} | {:.2} |", burn / ours);
+    }
+    // batch normalisation in training: Burn's operations through autodiff against the fused
+    // kernel's node (`Kernels::batch_norm`)
+    for (what, shape) in
+        [("batch norm, resnet-small's first", [8, 16, 32, 32]), ("batch norm, its last", [8, 64, 8, 8])]
+    {
+        let x = Tensor::<B, 4>::random(shape, Distribution::Normal(1.0, 1.0), &dev).require_grad();
+        let c = shape[1];
+        let gamma = Tensor::<B, 1>::ones([c], &dev).require_grad();
+        let beta = Tensor::<B, 1>::zeros([c], &dev).require_grad();
+        let p1 = |t: Tensor<B, 1>| t.into_primitive().tensor();
+        let pass = |ours: bool| {
+            let (x_, g_, b_) = (prim(x.clone()), p1(gamma.clone()), p1(beta.clone()));
+            let y = match ours {
+                true => B::batch_norm(x_, g_, b_, 1e-5).0,
+                false => pipec_executor::backend::norm::forward::<B>(x_, g_, b_, 1e-5).0,
+            };
+            let g = wrap(y).sum().backward();
+            drop((x.grad(&g), gamma.grad(&g), beta.grad(&g)));
         };
         let (burn, ours) = (ms(&mut || pass(false)), ms(&mut || pass(true)));
         println!("| {what} | {shape:?} | {burn:.3} | {ours:.3} | {:.2} |", burn / ours);

@@ -160,7 +160,7 @@ impl<I: Kernels, C: CheckpointStrategy> Kernels for Autodiff<I, C> {
         gamma: FloatTensor<Self>,
         beta: FloatTensor<Self>,
         eps: f64,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+    ) -> crate::backend::kernels::Normalised<Self> {
         norm_backward::batch_norm::<I, C>(x, gamma, beta, eps)
     }
 
@@ -630,28 +630,6 @@ pub(crate) fn add_deferred<I: Kernels>(mut sums: Sums<I>, deferred: Deferred<I>)
         sums.insert(node, Some(new));
     }
     sums
-}
-
-/// Whether the installed backward puts weight `node`'s gradient off (the input half of a
-/// split backward, [`with_deferred_weight_gradients`]).
-pub(crate) fn defers<I: Backend>(node: NodeId) -> bool {
-    LENT.with(|s| {
-        matches!(s.borrow().as_ref().and_then(|b| b.downcast_ref::<Lent<I>>()), Some(Lent::Defer(keyed, _)) if keyed.contains(&node))
-    })
-}
-
-/// Keeps a convolution's weight-gradient operands (its input, its weight, its output's
-/// gradient) for the weight pass, where [`defers`] says so.
-pub(crate) fn put_off_convolution<I: Backend>(
-    node: NodeId,
-    (x, weight, dy): (FloatTensor<I>, FloatTensor<I>, FloatTensor<I>),
-    options: &ConvOptions<2>,
-) {
-    LENT.with(|s| {
-        if let Some(Lent::Defer(_, deferred)) = s.borrow_mut().as_mut().and_then(|b| b.downcast_mut::<Lent<I>>()) {
-            deferred.0.push((node, PutOff::Convolution { x, weight, dy, options: options.clone() }));
-        }
-    });
 }
 
 /// `sum + xt · dy`, in `sum`'s buffer where the backend can; `xt · dy` for the first.

@@ -10,6 +10,9 @@ use burn::tensor::{Tensor, TensorPrimitive};
 
 use crate::backend::pool::PoolWindow;
 
+/// Batch normalisation's output, mean and variance ([`Kernels::batch_norm`]).
+pub type Normalised<B> = (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>);
+
 /// What the executor needs of a backend beyond Burn's: its dense product.
 pub trait Kernels: Backend {
     /// `a · b` for 2-D tensors (by default Burn's matmul).
@@ -123,7 +126,7 @@ pub trait Kernels: Backend {
         gamma: FloatTensor<Self>,
         beta: FloatTensor<Self>,
         eps: f64,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+    ) -> Normalised<Self> {
         crate::backend::norm::forward::<Self>(x, gamma, beta, eps)
     }
 
@@ -285,7 +288,7 @@ impl Kernels for burn::backend::Flex {
         gamma: FloatTensor<Self>,
         beta: FloatTensor<Self>,
         eps: f64,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+    ) -> Normalised<Self> {
         // fused (crate::backend::flex_norm), Burn's operations for what it does not take
         crate::backend::flex_norm::forward(&x, &gamma, &beta, eps)
             .unwrap_or_else(|| crate::backend::norm::forward::<Self>(x, gamma, beta, eps))

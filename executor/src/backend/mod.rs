@@ -13,7 +13,7 @@ pub(crate) mod flex_pool;
 pub(crate) mod flex_softmax;
 pub(crate) mod flex_weights;
 pub mod kernels;
-pub(crate) mod norm;
+pub mod norm;
 pub mod pool;
 pub mod port;
 pub mod resident;

@@ -43,7 +43,7 @@ fn channel_sum<B: Backend>(t: Tensor<B, 4>) -> Tensor<B, 1> {
 
 /// `(x − mean)·γ/√(var + ε) + β` with `x`'s own per-channel mean and biased variance:
 /// (output, mean, variance).
-pub(crate) fn forward<B: Backend>(
+pub fn forward<B: Backend>(
     x: FloatTensor<B>,
     gamma: FloatTensor<B>,
     beta: FloatTensor<B>,
@@ -62,7 +62,7 @@ pub(crate) fn forward<B: Backend>(
 /// [`forward`]'s gradients from its output's gradient `dy`: with x̂ = (x − mean)/√(var + ε)
 /// and N values per channel, dβ = Σ dy, dγ = Σ dy·x̂ and
 /// dx = γ/(N·√(var + ε))·(N·dy − dβ − x̂·dγ): (dx, dγ, dβ).
-pub(crate) fn gradients<B: Backend>(
+pub fn gradients<B: Backend>(
     x: FloatTensor<B>,
     gamma: FloatTensor<B>,
     (mean, var): (FloatTensor<B>, FloatTensor<B>),

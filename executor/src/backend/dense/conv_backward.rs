@@ -7,6 +7,7 @@ use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops};
 use burn::backend::autodiff::{Autodiff, NodeId};
+use burn::tensor::backend::Backend;
 use burn::tensor::ops::{ConvOptions, FloatTensor};
 use burn::tensor::{Tensor, TensorPrimitive};
 
@@ -58,10 +59,10 @@ impl ConvBackward {
             grads.register::<I>(id, db.into_primitive().tensor());
         }
         // the input half of a split backward puts the weight's gradient off to the weight
-        // pass (`super::put_off_convolution`)
+        // pass ([`put_off_convolution`])
         let to_w = match to_w {
-            Some(id) if super::defers::<I>(id) => {
-                super::put_off_convolution::<I>(id, (x.clone(), weight.clone(), dy.clone()), &self.options);
+            Some(id) if defers::<I>(id) => {
+                put_off_convolution::<I>(id, (x.clone(), weight.clone(), dy.clone()), &self.options);
                 None
             }
             to_w => to_w,
@@ -95,4 +96,28 @@ impl<I: Kernels> Backward<I, 3> for ConvBackward {
         let dy = grads.consume::<I>(&ops.node);
         self.register::<I>(grads, dy, ops.state, ops.parents.map(|p| p.map(|n| n.id)));
     }
+}
+
+/// Whether the installed backward puts weight `node`'s gradient off (the input half of a
+/// split backward, [`super::with_deferred_weight_gradients`]).
+fn defers<I: Backend>(node: NodeId) -> bool {
+    super::LENT.with(|s| {
+        matches!(s.borrow().as_ref().and_then(|b| b.downcast_ref::<super::Lent<I>>()), Some(super::Lent::Defer(keyed, _)) if keyed.contains(&node))
+    })
+}
+
+/// Keeps a convolution's weight-gradient operands (its input, its weight, its output's
+/// gradient) for the weight pass, where [`defers`] says so.
+fn put_off_convolution<I: Backend>(
+    node: NodeId,
+    (x, weight, dy): (FloatTensor<I>, FloatTensor<I>, FloatTensor<I>),
+    options: &ConvOptions<2>,
+) {
+    super::LENT.with(|s| {
+        if let Some(super::Lent::Defer(_, deferred)) =
+            s.borrow_mut().as_mut().and_then(|b| b.downcast_mut::<super::Lent<I>>())
+        {
+            deferred.0.push((node, super::PutOff::Convolution { x, weight, dy, options: options.clone() }));
+        }
+    });
 }

@@ -11,7 +11,7 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ops::FloatTensor;
 
 use super::tracked;
-use crate::backend::kernels::Kernels;
+use crate::backend::kernels::{Kernels, Normalised};
 
 /// [`Kernels::batch_norm`] on an autodiff backend: the input, γ and β are the node's
 /// parents; it keeps the input, γ and the statistics, which it returns untracked.
@@ -20,7 +20,7 @@ pub(super) fn batch_norm<I: Kernels, C: CheckpointStrategy>(
     gamma: FloatTensor<Autodiff<I, C>>,
     beta: FloatTensor<Autodiff<I, C>>,
     eps: f64,
-) -> (FloatTensor<Autodiff<I, C>>, FloatTensor<Autodiff<I, C>>, FloatTensor<Autodiff<I, C>>) {
+) -> Normalised<Autodiff<I, C>> {
     let (y, mean, var) = I::batch_norm(x.primitive.clone(), gamma.primitive.clone(), beta.primitive.clone(), eps);
     let state =
         || NormState { x: x.primitive.clone(), gamma: gamma.primitive.clone(), mean: mean.clone(), var: var.clone() };
