@@ -16,8 +16,9 @@ fn prim(t: &Tensor<Flex, 4>) -> FlexTensor {
 }
 
 /// (input shape, kernel, stride, padding)
-const CASES: [([usize; 4], usize, usize, usize); 5] = [
+const CASES: [([usize; 4], usize, usize, usize); 6] = [
     ([2, 3, 8, 8], 2, 2, 0),
+    ([1, 2, 7, 9], 2, 2, 0),
     ([1, 2, 7, 9], 3, 2, 1),
     ([3, 1, 5, 5], 3, 1, 1),
     ([2, 2, 6, 6], 2, 1, 0),
