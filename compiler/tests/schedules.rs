@@ -1388,3 +1388,28 @@ fn synchronous_all_reduces_start_after_their_stages_last_backward_and_overlap_th
         "{in_flight} in flight, {exposed} exposed"
     );
 }
+
+/// pipec's executor draws synthetic data as training runs where the spec keeps none
+/// (`samples` absent): on a device whose draws were measured (`DeviceModel::data`, the CPU's
+/// `pipec calibrate`) each load is priced at its microbatch's draw — its normal inputs and
+/// the teacher's scores — and the simulated step grows by the first stage's loads; a data set
+/// small enough to keep, or a device without the figures, loads for nothing.
+#[test]
+fn a_microbatch_drawn_as_training_runs_is_priced_where_the_device_measured_the_draw() {
+    let text = spec(2, 4, "gpipe", 4, "\"1-1\"");
+    let compiled = |text: &str, rates: Option<pipec_plan::device::DrawRates>| {
+        let checked = pipec_grammar::check_source(text);
+        let mut spec = checked.spec.unwrap_or_else(|| panic!("spec has errors: {:?}", checked.diagnostics));
+        spec.cluster.device.data = rates;
+        compile(&spec, &CompileOptions::default()).into_compiled().expect("compiles").plan
+    };
+    let rates = pipec_plan::device::DrawRates { feature: 2e-6, token: 0.0, score: 1e-7 };
+    let drawn = compiled(&text, Some(rates));
+    let free = compiled(&text, None);
+    // 4 samples a microbatch of 64 normal inputs and 64 × 64 score terms
+    let load = 4.0 * (64.0 * 2e-6 + 4096.0 * 1e-7);
+    let grown = drawn.simulation.step_time_s - free.simulation.step_time_s;
+    assert!(grown >= 4.0 * load * 0.999 && grown <= 8.0 * load * 1.001, "the step grew by {grown} s, a load {load} s");
+    let kept = text.replace("  steps: 1\n", "  steps: 1\n  data: { kind: synthetic, task: regression, samples: 64 }\n");
+    assert_eq!(compiled(&kept, Some(rates)).simulation.step_time_s, compiled(&kept, None).simulation.step_time_s);
+}

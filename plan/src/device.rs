@@ -895,6 +895,30 @@ mod tests {
     }
 
     #[test]
+    fn element_wise_bytes_beyond_the_cache_and_the_data_draws_price_and_read_back() {
+        let mut d = DeviceModel::uniform("cpu (pipec calibrate)", 1e9, 1e11);
+        d.memory_bandwidth = 6e10;
+        let within = d.memory_time(3e6);
+        d.memory_traffic = Some(Traffic { bandwidth: 2e10, cached: 1e6 });
+        // the first MB at 60 GB/s, the other two at 20 GB/s
+        assert!((d.memory_time(3e6) - (1e6 / 6e10 + 2e6 / 2e10)).abs() < 1e-15, "{}", d.memory_time(3e6));
+        assert!(d.memory_time(3e6) > 2.0 * within);
+        assert_eq!(d.memory_time(5e5), 5e5 / 6e10, "within the cache as before");
+        d.data = Some(DrawRates { feature: 2.5e-8, token: 3e-9, score: 2.5e-10 });
+        let draws = d.data.expect("set").seconds((3072, 0, 30720));
+        assert!((draws - (3072.0 * 2.5e-8 + 30720.0 * 2.5e-10)).abs() < 1e-15);
+        let back = DeviceModel::from_json(&serde_json::to_string(&d).expect("json")).expect("reads");
+        assert_eq!((back.memory_traffic, back.data), (d.memory_traffic, d.data));
+        for bad in [
+            DeviceModel { memory_traffic: Some(Traffic { bandwidth: 0.0, cached: 1e6 }), ..d.clone() },
+            DeviceModel { data: Some(DrawRates { feature: -1e-9, token: 0.0, score: 0.0 }), ..d.clone() },
+        ] {
+            let text = serde_json::to_string(&bad).expect("json");
+            assert!(DeviceModel::from_json(&text).is_err(), "{text}");
+        }
+    }
+
+    #[test]
     fn a_device_files_work_per_layer_pass_reads_back_and_a_bad_one_is_refused() {
         let mut d = DeviceModel::uniform("cpu (pipec calibrate)", 1e9, 1e11);
         d.memory_bandwidth = 1e10;

@@ -32,8 +32,9 @@ pub fn fit_memory_traffic(c: &mut Calibration) {
         };
         // the seconds per byte beyond `cached`, by weighted least squares on the larger adds
         let (mut num, mut den) = (0.0, 0.0);
-        for (n, p) in &adds[k..] {
-            let base = d.vector_time(*n as f64, cached.min(p.size));
+        for (_, p) in &adds[k..] {
+            // the launch and the bytes within the cache, on the line
+            let base = d.launch + d.memory_time(cached.min(p.size));
             let (x, w) = (p.size - cached, 1.0 / (p.seconds * p.seconds).max(1e-24));
             num += w * x * (p.seconds - base);
             den += w * x * x;

@@ -246,3 +246,31 @@ fn a_functions_rate_is_its_elements_over_its_time_beyond_the_launch() {
     // what was not measured stays 0: priced by its FLOPs
     assert_eq!((f.gelu, f.gelu_tanh, f.silu, f.tanh), (0.0, 0.0, 0.0, 0.0));
 }
+
+/// Adds made with a bandwidth that falls beyond a cache: the split recovers the cache and
+/// the bandwidth beyond it, and prices the largest add within 1% where the one line was
+/// off by half; adds that one line explains are left to it.
+#[test]
+fn the_adds_fit_finds_their_bytes_beyond_the_cache() {
+    let launch = 5e-7;
+    let truth = |bytes: f64| launch + bytes.min(786_432.0) / 6e10 + (bytes - 786_432.0).max(0.0) / 2e10;
+    let adds: Vec<(usize, Point)> = Sweep::CPU
+        .adds
+        .iter()
+        .map(|&n| (n, Point { size: 12.0 * n as f64, seconds: truth(12.0 * n as f64) }))
+        .collect();
+    let mut c = fitted("adds", 1e9, launch, vec![], adds.clone(), vec![]);
+    let largest = adds.last().expect("adds").1;
+    let off = |c: &Calibration| c.device.vector_time(0.0, largest.size) / largest.seconds - 1.0;
+    assert!(off(&c).abs() > 0.3, "the one line: {}", off(&c));
+    fit_memory_traffic(&mut c);
+    let t = c.device.memory_traffic.expect("split");
+    assert!(t.cached == 786_432.0 && (t.bandwidth / 2e10 - 1.0).abs() < 0.02, "{t:?}");
+    assert!(off(&c).abs() < 0.01, "{}", off(&c));
+    // a line through every add: no split
+    let line: Vec<(usize, Point)> =
+        adds.iter().map(|&(n, p)| (n, Point { size: p.size, seconds: launch + p.size / 5e10 })).collect();
+    let mut c = fitted("line", 1e9, launch, vec![], line, vec![]);
+    fit_memory_traffic(&mut c);
+    assert_eq!(c.device.memory_traffic, None);
+}
