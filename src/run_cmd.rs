@@ -178,7 +178,7 @@ fn load_run_plan(args: &RunArgs) -> Result<(Plan, Option<String>), u8> {
                     }
                     // the executor's own work per layer pass, unless the spec says
                     if cluster.overhead == 0.0 {
-                        cluster.overhead = found.overhead();
+                        (cluster.overhead, cluster.overhead_backward) = (found.overhead(), found.overhead_backward());
                     }
                     cluster.device = found.device;
                 }

@@ -41,6 +41,11 @@ impl ThisCpu {
         self.device.layer_pass.unwrap_or(0.0)
     }
 
+    /// The same per layer backward (twice the forward's where none was measured apart).
+    pub fn overhead_backward(&self) -> f64 {
+        self.device.layer_pass_backward.unwrap_or(2.0 * self.overhead())
+    }
+
     /// The line `pipec run` prints about it.
     pub fn note(&self) -> String {
         let how = match self.measured_s {
@@ -110,7 +115,7 @@ pub fn this_cpu_with(
 /// A cache file's measurement: a device file with the executor's work per layer pass.
 fn read_cached(cache: &Path) -> Option<DeviceModel> {
     let text = std::fs::read_to_string(cache).ok()?;
-    DeviceModel::from_json(&text).ok().filter(|d| d.layer_pass.is_some())
+    DeviceModel::from_json(&text).ok().filter(|d| d.layer_pass.is_some() && d.layer_pass_backward.is_some())
 }
 
 /// Whether this machine's CPU for `workers` workers is in the cache already: [`this_cpu`]
@@ -131,6 +136,7 @@ pub fn this_cpu(workers: usize, memory: f64) -> Result<ThisCpu, String> {
         let mut device = measure_cpu(memory, REPS, workers)?.0.device;
         // the kernels are measured either way: a failed fit plans with no overhead, as said
         device.layer_pass = device.layer_pass.or(Some(0.0));
+        device.layer_pass_backward = device.layer_pass_backward.or(Some(0.0));
         Ok(device)
     })?;
     found.device.memory = memory;
@@ -145,11 +151,12 @@ pub fn measure_cpu(memory: f64, reps: usize, workers: usize) -> Result<(Calibrat
     let mut measured = pipec_executor::calibrate::calibrate_cpu_concurrent(memory, reps, workers)?;
     let links = (workers > 1).then(|| pipec_executor::calibrate::calibrate_links(workers, reps));
     measured.device.link = links.as_ref().map(|c| c.link);
-    measured.device.layer_pass = match layer_overhead(&measured.device, workers) {
-        Ok(s) => Some(s),
+    (measured.device.layer_pass, measured.device.layer_pass_backward) = match layer_overhead(&measured.device, workers)
+    {
+        Ok((forward, backward)) => (Some(forward), Some(backward)),
         Err(e) => {
             eprintln!("warning: the executor's work per layer pass could not be measured ({e})");
-            None
+            (None, None)
         }
     };
     Ok((measured, links))
@@ -160,10 +167,11 @@ pub fn measure_cpu(memory: f64, reps: usize, workers: usize) -> Result<(Calibrat
 /// worker, 1F1B, widths and depth unlike README's example, which it is checked against —
 /// is planned for `device` with no overhead and trained for [`STEPS`] steps on `workers`
 /// threads; its forward and backward passes after the first two steps took the measured
-/// time, their plan predicts the kernels': the median over the passes of each one's excess
-/// per layer pass it ran (a forward one per layer, a backward two) is the overhead (never
-/// below zero).
-pub fn layer_overhead(device: &DeviceModel, workers: usize) -> Result<f64, String> {
+/// time, their plan predicts the kernels': the median over the forwards of each one's
+/// excess per layer is the forward's overhead, the backwards' the backward's (never below
+/// zero). Measured apart since 2026-12-07: README's example's backwards had run at 0.7 of
+/// their prediction with twice the forward's, its forwards at 1.15.
+pub fn layer_overhead(device: &DeviceModel, workers: usize) -> Result<(f64, f64), String> {
     use pipec_plan::Instr;
     let workers = workers.max(1);
     let stages = vec!["1"; workers].join("-");
@@ -185,22 +193,22 @@ pub fn layer_overhead(device: &DeviceModel, workers: usize) -> Result<f64, Strin
         .map_err(|e| format!("the overhead run failed: {e}"))?;
     // each pass's excess per layer pass it ran; their median (a pass the machine paused in
     // the middle of moves it no more than any other)
-    let mut excess: Vec<f64> = Vec::new();
+    let (mut forwards, mut backwards): (Vec<f64>, Vec<f64>) = (Vec::new(), Vec::new());
     for &(dev, step, index, start, end) in &report.timeline {
         let Some(ins) = plan.instruction(dev, index).filter(|_| step >= 2) else { continue };
-        let (per_layer, predicted) = match *ins {
-            Instr::Forward { stage, .. } => (1.0, plan.stage(stage).map(|s| s.forward_s)),
-            Instr::Backward { stage, .. } => (2.0, plan.stage(stage).map(|s| s.backward_s)),
+        let (excess, predicted) = match *ins {
+            Instr::Forward { stage, .. } => (&mut forwards, plan.stage(stage).map(|s| s.forward_s)),
+            Instr::Backward { stage, .. } => (&mut backwards, plan.stage(stage).map(|s| s.backward_s)),
             _ => continue,
         };
         let (Some(predicted), Some(st)) = (predicted, plan.stage(ins.stage())) else { continue };
-        excess.push(((end - start) - predicted) / (per_layer * (st.layers[1] - st.layers[0]).max(1) as f64));
+        excess.push(((end - start) - predicted) / (st.layers[1] - st.layers[0]).max(1) as f64);
     }
-    if excess.is_empty() {
-        return Err("the overhead run timed no passes".into());
-    }
-    excess.sort_by(f64::total_cmp);
-    Ok(excess[excess.len() / 2].max(0.0))
+    let median = |mut v: Vec<f64>| -> Result<f64, String> {
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2).map(|m| m.max(0.0)).ok_or_else(|| "the overhead run timed no passes".to_string())
+    };
+    Ok((median(forwards)?, median(backwards)?))
 }
 
 /// Steps of [`layer_overhead`]'s run (the first two are not timed).
@@ -214,6 +222,7 @@ mod tests {
         let mut d = DeviceModel::uniform("cpu", 1e9, rate);
         d.memory_bandwidth = 1e10;
         d.layer_pass = Some(layer_pass);
+        d.layer_pass_backward = Some(layer_pass / 2.0);
         d
     }
 
@@ -225,6 +234,7 @@ mod tests {
         // the second run reads it; the measurement is not called
         let again = this_cpu_with(2, dir.path(), "cpu a", || Err("measured twice".into())).expect("cached");
         assert_eq!((again.measured_s, again.device.matrix.fp32, again.overhead()), (None, 3e9, 2e-6));
+        assert_eq!(again.overhead_backward(), 1e-6, "measured apart");
         assert_eq!(again.cache, first.cache);
         // another worker count or CPU is measured anew
         let four = this_cpu_with(4, dir.path(), "cpu a", || Ok(device(5e9, 0.0))).expect("measured");
@@ -236,6 +246,11 @@ mod tests {
         std::fs::write(&first.cache, serde_json::to_string(&bare).expect("json")).expect("write");
         let refit = this_cpu_with(2, dir.path(), "cpu a", || Ok(device(4e9, 1e-6))).expect("measured");
         assert_eq!((refit.measured_s.is_some(), refit.device.matrix.fp32, refit.overhead()), (true, 4e9, 1e-6));
+        // and one measured before the backward's was measured apart
+        let forward_only = DeviceModel { layer_pass_backward: None, ..device(3e9, 2e-6) };
+        std::fs::write(&first.cache, serde_json::to_string(&forward_only).expect("json")).expect("write");
+        let refit = this_cpu_with(2, dir.path(), "cpu a", || Ok(device(4e9, 1e-6))).expect("measured");
+        assert!(refit.measured_s.is_some());
         // and so is the format before it was one (the device beside the overhead)
         let before = serde_json::json!({ "device": device(3e9, 0.0), "overhead_s": 2e-6 }).to_string();
         std::fs::write(&first.cache, before).expect("write");
@@ -268,10 +283,11 @@ mod tests {
         // kernels predicted at a petaFLOP/s with no launch: nearly all the measured time is
         // the executor's own, some microseconds a layer pass even in a debug build
         let fast = DeviceModel { memory_bandwidth: 1e15, ..DeviceModel::uniform("cpu", 1e9, 1e15) };
-        let overhead = layer_overhead(&fast, 2).expect("measured");
-        assert!(overhead > 1e-6 && overhead < 1e-2, "{overhead}");
+        let (forward, backward) = layer_overhead(&fast, 2).expect("measured");
+        assert!(forward > 1e-6 && forward < 1e-2, "{forward}");
+        assert!(backward > 1e-6 && backward < 1e-2, "{backward}");
         // kernels predicted at a kiloFLOP/s: slower than anything measured, so no overhead
         let slow = DeviceModel { memory_bandwidth: 1e3, ..DeviceModel::uniform("cpu", 1e9, 1e3) };
-        assert_eq!(layer_overhead(&slow, 1).expect("measured"), 0.0);
+        assert_eq!(layer_overhead(&slow, 1).expect("measured"), (0.0, 0.0));
     }
 }

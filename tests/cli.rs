@@ -406,13 +406,16 @@ fn calibrate_writes_a_device_file_a_spec_can_name_and_refuses_bad_flags() {
     let out = pipec(&["compile", spec.to_str().expect("utf-8"), "-o", dir.path().join("out").to_str().expect("utf-8")]);
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
     // with the executor's own work per layer pass, which a spec on the file plans with
-    // unless it writes its own `overhead`: set to 1 ms here, every layer's forward is 1 ms
-    // longer than with `overhead: 0s`, its backward 2 ms
-    let pass = device["layer_pass"].as_f64();
-    assert!(pass.is_some_and(|s| s.is_finite() && s >= 0.0), "{device}");
+    // unless it writes its own `overhead`: set to 1 ms forward and 3 ms backward here, every
+    // layer's forward is 1 ms longer than with `overhead: 0s`, its backward 3 ms
+    for field in ["layer_pass", "layer_pass_backward"] {
+        let pass = device[field].as_f64();
+        assert!(pass.is_some_and(|s| s.is_finite() && s >= 0.0), "{field}: {device}");
+    }
     assert!(stderr.contains("the executor's own work per layer pass"), "{stderr}");
     let mut set = device.clone();
     set["layer_pass"] = serde_json::json!(1e-3);
+    set["layer_pass_backward"] = serde_json::json!(3e-3);
     std::fs::write(dir.path().join("set.json"), set.to_string()).expect("write");
     let stage0 = |device_line: &str| -> (f64, f64, f64) {
         std::fs::write(&spec, text.replace(&line, device_line)).expect("write spec");
@@ -429,10 +432,11 @@ fn calibrate_writes_a_device_file_a_spec_can_name_and_refuses_bad_flags() {
     let (fwd0, bwd0, _) = stage0("  device: { file: set.json, overhead: 0s }");
     assert!(layers >= 1.0, "{layers}");
     assert!((fwd - fwd0 - 1e-3 * layers).abs() < 1e-9, "{fwd} against {fwd0} over {layers} layers");
-    assert!((bwd - bwd0 - 2e-3 * layers).abs() < 1e-9, "{bwd} against {bwd0}");
-    // the spec's own figure wins
-    let (fwd5, _, _) = stage0("  device: { file: set.json, overhead: 5ms }");
+    assert!((bwd - bwd0 - 3e-3 * layers).abs() < 1e-9, "{bwd} against {bwd0}");
+    // the spec's own figure wins, twice its own a backward
+    let (fwd5, bwd5, _) = stage0("  device: { file: set.json, overhead: 5ms }");
     assert!((fwd5 - fwd0 - 5e-3 * layers).abs() < 1e-9, "{fwd5} against {fwd0}");
+    assert!((bwd5 - bwd0 - 10e-3 * layers).abs() < 1e-9, "{bwd5} against {bwd0}");
     // measured two at a time, as a plan of two devices shares this machine: named so
     let two = dir.path().join("two.json");
     let out = pipec(&["calibrate", "-o", two.to_str().expect("utf-8"), "--reps", "3", "--concurrent", "2"]);
@@ -2787,7 +2791,11 @@ fn a_cpu_run_of_a_spec_with_an_inline_cpu_is_planned_for_this_machines_cached_ca
     let file = pipec_executor::calibrate::cache_file(&cache, &pipec_executor::calibrate::cpu_name(), 2);
     // with the executor's work per layer pass measured as 30 µs
     let cached = |overhead: f64| {
-        let d = pipec_plan::device::DeviceModel { layer_pass: Some(overhead), ..device.clone() };
+        let d = pipec_plan::device::DeviceModel {
+            layer_pass: Some(overhead),
+            layer_pass_backward: Some(2.0 * overhead),
+            ..device.clone()
+        };
         serde_json::to_string(&d).expect("json")
     };
     std::fs::write(&file, cached(30e-6)).expect("cache");

@@ -485,7 +485,7 @@ fn price(node: &OpNode, split: TpSplit, (first, last): (bool, bool), cx: &CostCo
     }
     Priced {
         forward: fwd.seconds + cx.overhead,
-        backward: bwd.seconds + 2.0 * cx.overhead,
+        backward: bwd.seconds + cx.overhead_backward,
         selective: sel.seconds,
         core: core_s,
         block,
@@ -915,6 +915,7 @@ mod tests {
             attention: Attention::Standard,
             cp_comm: CpComm::AllGather,
             overhead: 0.0,
+            overhead_backward: 0.0,
             fp8: None,
             fused_attention: None,
             grouped_experts: false,

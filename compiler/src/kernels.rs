@@ -46,6 +46,8 @@ pub struct CostContext<'a> {
     /// Seconds a layer's forward costs beyond its kernels (its backward twice that): the
     /// spec's `overhead`, framework work per pass.
     pub overhead: f64,
+    /// The same per layer backward (the spec's `overhead` twice, or the device file's).
+    pub overhead_backward: f64,
     /// FP8 training: the blocks' products in FP8 (None without).
     pub fp8: Option<Fp8Plan>,
     /// The engine's fused attention kernel's published rates

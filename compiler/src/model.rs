@@ -97,6 +97,7 @@ pub(crate) fn cost_model(spec: &Spec, options: &CompileOptions) -> Result<ModelC
         attention: spec.model.attention,
         cp_comm: spec.strategy.cp_comm,
         overhead: spec.cluster.overhead,
+        overhead_backward: spec.cluster.overhead_backward,
         fp8: spec.training.fp8,
         fused_attention: spec.engine.family().attention(&cluster.device),
         grouped_experts: spec.engine.family().grouped_expert_gemm(),

@@ -239,6 +239,10 @@ pub struct Cluster {
     /// Seconds every layer's forward (and, twice, its backward) costs beyond its kernels:
     /// framework work per pass (0 unless given).
     pub overhead: f64,
+    /// The same per layer backward: twice `overhead` where the spec writes it, else the
+    /// device file's measured figure (`DeviceModel::layer_pass_backward`, twice its
+    /// `layer_pass` where it has none).
+    pub overhead_backward: f64,
     /// The span of `devices_per_node`, for "the cluster has N devices" labels.
     pub devices_span: Span,
     pub intra_node: Link,

@@ -687,13 +687,18 @@ fn unknown_preset(cx: &mut Lower<'_>, node: &Node, kind: &str, name: &str, names
 }
 
 /// `cluster.device`: a preset's name, or a mapping (a preset or a device file with
-/// overrides, or a memory and one throughput). The device model and its memory's span.
-fn lower_device(cx: &mut Lower<'_>, n: &Node, owner: Span) -> Option<(pipec_plan::device::DeviceModel, Span, f64)> {
+/// overrides, or a memory and one throughput). The device model, its memory's span and the
+/// executor's work per layer forward and backward (`overhead`).
+fn lower_device(
+    cx: &mut Lower<'_>,
+    n: &Node,
+    owner: Span,
+) -> Option<(pipec_plan::device::DeviceModel, Span, (f64, f64))> {
     use pipec_plan::device::{preset, DeviceModel, MatrixRates, PRESETS};
     let names: Vec<&str> = PRESETS.iter().map(|p| p.name).collect();
     if let Some(name) = n.as_str() {
         return match preset(name) {
-            Some(p) => Some((p.model(), n.span, 0.0)),
+            Some(p) => Some((p.model(), n.span, (0.0, 0.0))),
             None => {
                 unknown_preset(cx, n, "device", name, &names);
                 None
@@ -787,7 +792,13 @@ fn lower_device(cx: &mut Lower<'_>, n: &Node, owner: Span) -> Option<(pipec_plan
     }
     let span = df.get("memory").or(df.get("preset")).or(df.get("file")).map_or(n.span, |m| m.span);
     // the spec's own overhead, else the one `pipec calibrate` measured for a device file
-    let overhead = overhead.or(device.layer_pass).unwrap_or(0.0);
+    let overhead = match overhead {
+        Some(o) => (o, 2.0 * o),
+        None => {
+            let forward = device.layer_pass.unwrap_or(0.0);
+            (forward, device.layer_pass_backward.unwrap_or(2.0 * forward))
+        }
+    };
     Some((device, span, overhead))
 }
 
@@ -888,7 +899,7 @@ fn lower_cluster(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Cluster
     let links = cx
         .required(&f, "links", "cluster")
         .and_then(|n| lower_links(cx, n, f.key_span("links").unwrap_or(n.span), dpn));
-    let (nodes, dpn, (device, memory_span, overhead), (intra, inter, inter_given, links_key)) =
+    let (nodes, dpn, (device, memory_span, (overhead, overhead_backward)), (intra, inter, inter_given, links_key)) =
         (nodes?, dpn?, device?, links?);
     if nodes.checked_mul(dpn).is_none_or(|n| n > MAX_DEVICES) {
         cx.push(
@@ -925,6 +936,7 @@ fn lower_cluster(cx: &mut Lower<'_>, node: &Node, owner: Span) -> Option<Cluster
         device,
         memory_span,
         overhead,
+        overhead_backward,
         devices_span: dpn_node.map(|n| n.span).unwrap_or(node.span),
         intra_node: intra,
         inter_node: inter,

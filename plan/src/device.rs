@@ -184,6 +184,10 @@ pub struct DeviceModel {
     /// `overhead` of its own plans with it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub layer_pass: Option<f64>,
+    /// The same per layer backward, where `pipec calibrate` measured it apart from the
+    /// forward's; None: twice [`layer_pass`](Self::layer_pass).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layer_pass_backward: Option<f64>,
     /// pipec's executor drawing synthetic data as training runs, as `pipec calibrate`
     /// measured it (the CPU); None on the presets, whose data loading is not priced.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -349,6 +353,7 @@ impl DeviceModel {
             attention: None,
             power: None,
             layer_pass: None,
+            layer_pass_backward: None,
             data: None,
         }
     }
@@ -413,6 +418,12 @@ impl DeviceModel {
         }
         if let Some(r) = d.data.filter(|r| !r.is_valid()) {
             return Err(format!("the synthetic data's draw needs finite seconds of 0 or more per value, found {r:?}"));
+        }
+        if d.layer_pass_backward.is_some_and(|s| !(s.is_finite() && s >= 0.0)) {
+            return Err(format!(
+                "the executor's work per layer backward must be finite and not negative, found {:?}",
+                d.layer_pass_backward
+            ));
         }
         if d.layer_pass.is_some_and(|s| !(s.is_finite() && s >= 0.0)) {
             return Err(format!(
