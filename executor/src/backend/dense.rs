@@ -618,9 +618,13 @@ pub(crate) fn add_deferred<I: Kernels>(mut sums: Sums<I>, deferred: Deferred<I>)
         let new = match put_off {
             PutOff::Product(xt, dy) => sum_product::<I>(sum, xt, dy),
             PutOff::Convolution { x, weight, dy, options } => {
-                let Some(dw) = I::convolution_grads(x, weight, dy, options, (false, true)).1 else { continue };
+                let Some(dw) = I::convolution_grads(x, weight, dy, options, (false, true)).1 else {
+                    sums.insert(node, sum);
+                    continue;
+                };
                 // the sums hold it flat, as the step's gradients are (Burn's gradient, added)
-                let dw = I::float_reshape(dw.clone(), Shape::new([dw.shape().num_elements()]));
+                let n = dw.shape().num_elements();
+                let dw = I::float_reshape(dw, Shape::new([n]));
                 match sum {
                     Some(sum) => I::float_add(sum, dw),
                     None => dw,

@@ -78,11 +78,11 @@ pub(crate) fn forward(
     }
     // as Burn's operations compute it: the centred value times γ/√(var + ε), plus β
     let scale: Vec<f32> = gamma.iter().zip(&var).map(|(g, v)| g / (v + eps as f32).sqrt()).collect();
-    let mut y = vec![0f32; xs.len()];
-    for (i, (out, inp)) in y.chunks_exact_mut(hw).zip(xs.chunks_exact(hw)).enumerate() {
+    let mut y = Vec::with_capacity(xs.len());
+    for (i, inp) in xs.chunks_exact(hw).enumerate() {
         let ch = i % c;
         let (m, k, b) = (mean[ch], scale[ch], beta[ch]);
-        out.iter_mut().zip(inp).for_each(|(o, &v)| *o = (v - m) * k + b);
+        y.extend(inp.iter().map(|&v| (v - m) * k + b));
     }
     Some((FlexTensor::from_data(TensorData::new(y, [n, c, h, w])), vector(mean), vector(var)))
 }
@@ -126,15 +126,13 @@ pub(crate) fn gradients(
         d_beta.push(sum as f32);
         d_gamma.push((lanes.iter().sum::<f64>() + rest) as f32);
     }
-    let mut dx = vec![0f32; xs.len()];
-    for (i, ((out, xp), dp)) in dx.chunks_exact_mut(hw).zip(xs.chunks_exact(hw)).zip(dys.chunks_exact(hw)).enumerate() {
+    let mut dx = Vec::with_capacity(xs.len());
+    for (i, (xp, dp)) in xs.chunks_exact(hw).zip(dys.chunks_exact(hw)).enumerate() {
         let ch = i % c;
         let (m, k) = (mean[ch], inv_std[ch]);
         let scale = gamma[ch] * k / count as f32;
         let (db, dg, nf) = (d_beta[ch], d_gamma[ch], count as f32);
-        for ((o, &v), &d) in out.iter_mut().zip(xp).zip(dp) {
-            *o = (d * nf - db - (v - m) * k * dg) * scale;
-        }
+        dx.extend(xp.iter().zip(dp).map(|(&v, &d)| (d * nf - db - (v - m) * k * dg) * scale));
     }
     Some((FlexTensor::from_data(TensorData::new(dx, [n, c, h, w])), vector(d_gamma), vector(d_beta)))
 }

@@ -75,10 +75,12 @@ fn the_fused_batch_norm_equals_burns_operations_and_their_autodiff() {
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(32))]
-    /// Random shapes, odd and below the eight side-by-side sums included.
+    /// Random shapes, odd and below the eight side-by-side sums included; four values a
+    /// channel at least (two normalise to ±1 whatever they are: the input's gradient is
+    /// zero, both sides' rounding alone).
     #[test]
     fn any_shape_equals_burns(n in 1usize..5, c in 1usize..6, h in 1usize..12, w in 1usize..12, seed in 0u64..1000) {
-        prop_assume!(n * h * w >= 2);
+        prop_assume!(n * h * w >= 4);
         equals_burns_autodiff([n, c, h, w], seed);
     }
 }
