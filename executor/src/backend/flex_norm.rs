@@ -41,16 +41,22 @@ fn channel(v: &[f32], [n, c, hw]: [usize; 3], ch: usize) -> impl Iterator<Item =
     (0..n).map(move |s| &v[(s * c + ch) * hw..][..hw])
 }
 
-/// The sum of `f` over the values of `planes`, in `f64`, eight running sums side by side
-/// (one chain of dependent adds would take a cycle or four per value).
-fn sum_of<'a>(planes: impl Iterator<Item = &'a [f32]>, f: impl Fn(f32) -> f64) -> f64 {
-    let mut lanes = [0f64; 8];
-    let mut rest = 0f64;
-    for p in planes {
-        let chunks = p.chunks_exact(8);
-        rest += chunks.remainder().iter().map(|&v| f(v)).sum::<f64>();
-        for chunk in chunks {
-            lanes.iter_mut().zip(chunk).for_each(|(l, &v)| *l += f(v));
+/// The sum of `f` over the values of `planes`, paired value by value with those of `with`,
+/// in `f64`, eight running sums side by side (one chain of dependent adds would take a cycle
+/// or four per value).
+fn sum_of<'a>(
+    planes: impl Iterator<Item = &'a [f32]>,
+    with: impl Iterator<Item = &'a [f32]>,
+    f: impl Fn(f32, f32) -> f64,
+) -> f64 {
+    let (mut lanes, mut rest) = ([0f64; 8], 0f64);
+    for (a, b) in planes.zip(with) {
+        let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
+        rest += ac.remainder().iter().zip(bc.remainder()).map(|(&u, &v)| f(u, v)).sum::<f64>();
+        for (a8, b8) in ac.zip(bc) {
+            for ((l, &u), &v) in lanes.iter_mut().zip(a8).zip(b8) {
+                *l += f(u, v);
+            }
         }
     }
     lanes.iter().sum::<f64>() + rest
@@ -71,8 +77,9 @@ pub(crate) fn forward(
     let dims = [n, c, hw];
     let (mut mean, mut var) = (Vec::with_capacity(c), Vec::with_capacity(c));
     for ch in 0..c {
-        let m = sum_of(channel(xs, dims, ch), f64::from) / count;
-        let d = sum_of(channel(xs, dims, ch), |v| (f64::from(v) - m).powi(2)) / count;
+        let plane = || channel(xs, dims, ch);
+        let m = sum_of(plane(), plane(), |v, _| f64::from(v)) / count;
+        let d = sum_of(plane(), plane(), |v, _| (f64::from(v) - m).powi(2)) / count;
         mean.push(m as f32);
         var.push(d as f32);
     }
@@ -110,21 +117,11 @@ pub(crate) fn gradients(
     let (mut d_gamma, mut d_beta) = (Vec::with_capacity(c), Vec::with_capacity(c));
     for ch in 0..c {
         let (m, k) = (mean[ch], inv_std[ch]);
-        let sum = sum_of(channel(dys, dims, ch), f64::from);
-        // Σ dy·x̂, eight running sums side by side
-        let (mut lanes, mut rest) = ([0f64; 8], 0f64);
-        for (xp, dp) in channel(xs, dims, ch).zip(channel(dys, dims, ch)) {
-            let term = |v: f32, d: f32| f64::from(d) * f64::from((v - m) * k);
-            let (xc, dc) = (xp.chunks_exact(8), dp.chunks_exact(8));
-            rest += xc.remainder().iter().zip(dc.remainder()).map(|(&v, &d)| term(v, d)).sum::<f64>();
-            for (x8, d8) in xc.zip(dc) {
-                for ((l, &v), &d) in lanes.iter_mut().zip(x8).zip(d8) {
-                    *l += term(v, d);
-                }
-            }
-        }
+        let (inputs, grads) = (|| channel(xs, dims, ch), || channel(dys, dims, ch));
+        let sum = sum_of(grads(), grads(), |d, _| f64::from(d));
+        let dot = sum_of(inputs(), grads(), |v, d| f64::from(d) * f64::from((v - m) * k));
         d_beta.push(sum as f32);
-        d_gamma.push((lanes.iter().sum::<f64>() + rest) as f32);
+        d_gamma.push(dot as f32);
     }
     let mut dx = Vec::with_capacity(xs.len());
     for (i, (xp, dp)) in xs.chunks_exact(hw).zip(dys.chunks_exact(hw)).enumerate() {

@@ -144,7 +144,9 @@ impl Dataset {
         }
         // A finite synthetic data set of moderate size is generated once, not every step.
         if let Source::Synthetic { samples, .. } = data.source {
-            if samples > 0 && samples.saturating_mul(numel + outputs) <= pipec_plan::plan::SYNTHETIC_KEPT_VALUES {
+            // (what the cost model prices as not drawn as training runs)
+            let drawn = pipec_plan::plan::synthetic_draw(Some(samples), (numel, outputs), vocab.is_some(), false);
+            if samples > 0 && drawn.is_none() {
                 let all: Vec<usize> = (0..samples).collect();
                 let generated = data.samples(&all);
                 if let Source::Synthetic { cache, .. } = &mut data.source {
@@ -155,46 +157,26 @@ impl Dataset {
         Ok(data)
     }
 
-    /// Seconds per value of this executor's synthetic draws (what `pipec calibrate`
-    /// measures, `DrawRates`): the medians of `reps` draws of 16 samples of 2,048 normal
-    /// features scored over 1 and over 33 outputs (their difference: 32 score terms a
-    /// feature) and of 2,048 tokens scored over 1, each solved for its values.
-    pub fn draw_rates(reps: usize) -> pipec_plan::device::DrawRates {
-        const N: usize = 2048;
-        let of = |vocab: Option<usize>, outputs: usize| {
-            let mut rng = Rng::keyed(&[5, 2]);
-            Dataset {
-                seed: 5,
-                numel: N,
-                outputs,
-                vocab,
-                positions: 1,
-                shuffle: false,
-                held_out: 0,
-                source: Source::Synthetic {
-                    classification: true,
-                    samples: 0,
-                    teacher: rng.normal_vec(vocab.unwrap_or(N) * outputs),
-                    cache: None,
-                },
-            }
-        };
-        let indices: Vec<usize> = (0..16).collect();
-        let per_sample = |data: &Dataset| {
-            let mut t: Vec<f64> = (0..reps.max(3))
-                .map(|_| {
-                    let start = std::time::Instant::now();
-                    std::hint::black_box(data.samples(&indices));
-                    start.elapsed().as_secs_f64() / indices.len() as f64
-                })
-                .collect();
-            t.sort_by(f64::total_cmp);
-            t[t.len() / 2]
-        };
-        let (one, many, tokens) = (per_sample(&of(None, 1)), per_sample(&of(None, 33)), per_sample(&of(Some(512), 1)));
-        let score = ((many - one) / (32 * N) as f64).max(0.0);
-        let each = |t: f64| ((t - score * N as f64) / N as f64).max(0.0);
-        pipec_plan::device::DrawRates { feature: each(one), token: each(tokens), score }
+    /// A synthetic classification stream drawn as training runs (no sample kept) of `numel`
+    /// inputs (token ids of `vocab` where given) scored over `outputs`: what `pipec
+    /// calibrate` times its draws on (`crate::calibrate::draw_rates`).
+    pub(crate) fn endless(numel: usize, vocab: Option<usize>, outputs: usize) -> Dataset {
+        let mut rng = Rng::keyed(&[5, 2]);
+        Dataset {
+            seed: 5,
+            numel,
+            outputs,
+            vocab,
+            positions: 1,
+            shuffle: false,
+            held_out: 0,
+            source: Source::Synthetic {
+                classification: true,
+                samples: 0,
+                teacher: rng.normal_vec(vocab.unwrap_or(numel) * outputs),
+                cache: None,
+            },
+        }
     }
 
     /// The samples of microbatch `mb` of step `step`: the run draws positions one after
@@ -242,7 +224,7 @@ impl Dataset {
         self.samples(&indices)
     }
 
-    fn samples(&self, indices: &[usize]) -> (Inputs, Targets) {
+    pub(crate) fn samples(&self, indices: &[usize]) -> (Inputs, Targets) {
         match &self.source {
             Source::Synthetic { samples, cache: Some(cache), .. } => {
                 let (inputs, targets) = cache.as_ref();

@@ -509,7 +509,7 @@ pub fn calibrate_cpu_concurrent(memory: f64, reps: usize, threads: usize) -> Res
         meet();
         let optimizer = optimizer_rates::<crate::backend::CpuBackend>(&Default::default(), reps);
         meet();
-        let data = crate::interp::data::Dataset::draw_rates(reps);
+        let data = draw_rates(reps);
         let mut c = fitted("", memory, launch, products, c.adds, functions);
         c.device.optimizer = Some(optimizer);
         c.device.data = Some(data);
@@ -629,9 +629,11 @@ pub fn calibrate_cuda(memory: f64, reps: usize) -> Calibration {
 }
 
 mod adds;
+mod draws;
 mod link;
 mod products;
 pub use adds::*;
+pub use draws::*;
 pub use link::*;
 pub use products::*;
 
