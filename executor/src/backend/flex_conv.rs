@@ -10,7 +10,10 @@
 //! patches of a run of samples are laid out once as a matrix `cols` [C·kh·kw, samples·L]
 //! (L output positions each), and:
 //! - the forward is `W · cols` ([C_out, C·kh·kw] · cols), plus the bias;
-//! - the weight's gradient is `dY · colsᵀ`, the patches laid out again from the input;
+//! - the weight's gradient is `dY · colsᵀ`, the patches laid out again from the input (summed
+//!   as its transpose `cols · dYᵀ` where the patch matrix is the larger operand: with its
+//!   transposed view on the right the product took 1.8–2.4 times as long on the example
+//!   CNNs' shapes);
 //! - the input's gradient is `Wᵀ · dY`, each patch's column added back where it came from
 //!   (col2im).
 //!
@@ -80,9 +83,10 @@ impl Geometry {
         self.ho * self.wo
     }
 
-    /// How many samples a run takes.
-    fn run(&self) -> usize {
-        (PATCH_VALUES / (self.patch() * self.positions()).max(1)).clamp(1, self.n)
+    /// How many samples a run takes whose patch matrix holds at most `limit` values (at
+    /// least one sample).
+    fn run(&self, limit: usize) -> usize {
+        (limit / (self.patch() * self.positions()).max(1)).clamp(1, self.n)
     }
 
     /// The input row that output row `oh` reads at kernel row `ki`, if inside.
@@ -208,7 +212,7 @@ pub(crate) fn forward(
     let (xs, l) = (x.storage::<f32>(), g.positions());
     // [n, C_out, L] filled in order, run after run
     let mut out = Vec::with_capacity(g.n * g.c_out * l);
-    let run = g.run();
+    let run = g.run(PATCH_VALUES);
     for first in (0..g.n).step_by(run) {
         let m = run.min(g.n - first);
         let cols = matrix(g.im2col(xs, first, m), [g.patch(), m * l]);
@@ -234,7 +238,19 @@ pub(crate) fn backward(
     weight: &FlexTensor,
     dy: &FlexTensor,
     options: &ConvOptions<2>,
+    want: (bool, bool),
+) -> Option<(Option<FlexTensor>, Option<FlexTensor>)> {
+    backward_in_runs(x, weight, dy, options, want, PATCH_VALUES)
+}
+
+/// [`backward`] over runs of samples whose patch matrix holds at most `limit` values.
+fn backward_in_runs(
+    x: &FlexTensor,
+    weight: &FlexTensor,
+    dy: &FlexTensor,
+    options: &ConvOptions<2>,
     (want_x, want_w): (bool, bool),
+    limit: usize,
 ) -> Option<(Option<FlexTensor>, Option<FlexTensor>)> {
     let g = Geometry::of(x, weight, options)?;
     if dy.dtype() != DType::F32 || dy.layout().shape().as_slice() != [g.n, g.c_out, g.ho, g.wo] {
@@ -245,7 +261,10 @@ pub(crate) fn backward(
     let wt = Flex::float_transpose(w);
     let mut dx = want_x.then(|| vec![0.0f32; g.n * g.c * g.h * g.w]);
     let mut dw: Option<FlexTensor> = None;
-    let run = g.run();
+    // the weight's gradient summed as its transpose [C·kh·kw, C_out] = cols · dᵀ where the
+    // patch matrix is the larger operand
+    let transposed = g.patch() >= g.c_out;
+    let run = g.run(limit);
     for first in (0..g.n).step_by(run) {
         let m = run.min(g.n - first);
         // this run's output gradient as [C_out, m·L]
@@ -257,10 +276,17 @@ pub(crate) fn backward(
         }
         let d = matrix(d, [g.c_out, m * l]);
         if want_w {
-            let cols_t = Flex::float_transpose(matrix(g.im2col(xs, first, m), [g.patch(), m * l]));
+            // the larger of the patch matrix and the output's gradient is read as the
+            // row-major left operand (the patch matrix's transposed view as the right one
+            // made the product take 1.8–2.4 times as long)
+            let cols = matrix(g.im2col(xs, first, m), [g.patch(), m * l]);
+            let (a, b) = match transposed {
+                true => (cols, Flex::float_transpose(d.clone())),
+                false => (d.clone(), Flex::float_transpose(cols)),
+            };
             dw = Some(match dw.take() {
-                None => flex_gemm::product(&d, &cols_t)?,
-                Some(acc) => flex_gemm::product_add(acc, &d, &cols_t).ok()?,
+                None => flex_gemm::product(&a, &b)?,
+                Some(acc) => flex_gemm::product_add(acc, &a, &b).ok()?,
             });
         }
         if let Some(dx) = dx.as_mut() {
@@ -269,6 +295,8 @@ pub(crate) fn backward(
         }
     }
     let dx = dx.map(|v| FlexTensor::from_data(TensorData::new(v, [g.n, g.c, g.h, g.w])));
+    // the weight's gradient as [C_out, C·kh·kw] (summed as its transpose where `transposed`)
+    let dw = dw.map(|t| if transposed { Flex::float_transpose(t).to_contiguous() } else { t });
     let dw = dw.map(|t| Flex::float_reshape(t, Shape::new([g.c_out, g.c, g.kh, g.kw])));
     Some((dx, dw))
 }

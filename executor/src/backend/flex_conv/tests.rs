@@ -3,7 +3,7 @@ use burn::backend::{Autodiff, Flex};
 use burn::tensor::ops::{ConvOptions, ModuleOps};
 use burn::tensor::{Distribution, Tensor, TensorPrimitive};
 
-use super::{backward, forward};
+use super::{backward, backward_in_runs, forward};
 
 fn random<const D: usize>(shape: [usize; D], seed: u64) -> Tensor<Flex, D> {
     <Flex as burn::tensor::backend::Backend>::seed(&Default::default(), seed);
@@ -146,5 +146,27 @@ proptest::proptest! {
         let bw = Flex::conv2d_weight_backward(prim(&x), prim(&wt), prim(&dy), options.clone());
         proptest::prop_assert!(relative(tensor::<4>(dx.expect("asked")), tensor(bx)) < 1e-5);
         proptest::prop_assert!(relative(tensor::<4>(dw.expect("asked")), tensor(bw)) < 1e-5);
+    }
+}
+
+/// The weight's gradient summed over runs of samples equals Burn's, summed as itself (the
+/// patch matrix the smaller operand: `C·kh·kw` < `C_out`) and as its transpose (the larger),
+/// one sample a run and the whole batch in one.
+#[test]
+fn the_weights_gradient_over_runs_of_samples_equals_burns_either_way_round() {
+    // (input, C_out, kernel): a 1 × 1 kernel onto more channels, a 3 × 3 onto fewer
+    for (i, (shape, c_out, k)) in [([4, 2, 6, 6], 8, 1), ([4, 3, 6, 6], 4, 3)].into_iter().enumerate() {
+        let seed = 100 + 10 * i as u64;
+        let (x, w) = (random(shape, seed), random([c_out, shape[1], k, k], seed + 1));
+        let options = ConvOptions::new([1, 1], [k / 2; 2], [1, 1], 1);
+        let y = tensor::<4>(forward(&prim(&x), &prim(&w), None, &options).expect("taken"));
+        let dy = random(y.dims(), seed + 2);
+        let bw = tensor::<4>(Flex::conv2d_weight_backward(prim(&x), prim(&w), prim(&dy), options.clone()));
+        for limit in [1, usize::MAX] {
+            let (dx, dw) =
+                backward_in_runs(&prim(&x), &prim(&w), &prim(&dy), &options, (true, true), limit).expect("taken");
+            let e = relative(tensor::<4>(dw.expect("asked")), bw.clone());
+            assert!(e < 1e-5 && dx.is_some(), "case {i}, runs of {limit} values: weight {e}");
+        }
     }
 }
