@@ -216,7 +216,7 @@ pub fn run(spec: &Path, step: Option<&str>, log: Option<&Path>, out: Option<Path
             // a device file `pipec calibrate` measured holds this machine's rates at their
             // peak already: a faster run means the file was measured slow
             let hint = if checked.device().measured() && measured.step_s < before {
-                "; the device file's kernels run at most a third faster than `pipec calibrate` measured them on this machine, and this run was faster still: measure the device again (`pipec calibrate`, while the machine is otherwise idle)"
+                "; the executor's work on a device file runs at most a third faster than `pipec calibrate` measured it on this machine, and this run was faster still: measure the device again (`pipec calibrate`, while the machine is otherwise idle)"
             } else {
                 "; is the step of this spec's layout and batch?"
             };

@@ -307,7 +307,7 @@ impl StepSpec {
             if wanted > pipec_plan::engine::performance::peak_cap(&spec.cluster.device) * (1.0 + 1e-12) {
                 return Err(format!("an efficiency of {e} puts matrix products past the device's peak"));
             }
-            pipec_plan::engine::performance::scale_peaks(&mut spec.cluster.device, e / self.performance.efficiency);
+            spec.cluster.run_engine_at(e / self.performance.efficiency);
         }
         let options = CompileOptions { base_dir: self.base.clone(), ..CompileOptions::default() };
         predict(&spec, &options, &mut Memo::default()).map(|f| f.step_s).map_err(|d| error_list(&d))

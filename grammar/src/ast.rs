@@ -261,6 +261,18 @@ impl Cluster {
     pub fn device_count(&self) -> usize {
         self.nodes * self.devices_per_node
     }
+
+    /// The device as an engine's constant `factor` runs it
+    /// ([`pipec_plan::engine::performance::scale_peaks`]); on a device `pipec calibrate`
+    /// measured, the constant is the machine's speed, and the work per layer pass
+    /// ([`overhead`](Self::overhead)) runs at it too.
+    pub fn run_engine_at(&mut self, factor: f64) {
+        let speed = pipec_plan::engine::performance::scale_peaks(&mut self.device, factor);
+        if self.device.measured() {
+            self.overhead /= speed;
+            self.overhead_backward /= speed;
+        }
+    }
 }
 
 pub use pipec_plan::vocab::{Attention, Choice, OptimizerKind, Precision, ReduceMode, ScheduleKind, SyncMode, Task};

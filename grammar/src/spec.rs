@@ -241,7 +241,7 @@ fn apply_engine_performance(cx: &mut Lower<'_>, engine: &mut EngineChoice, clust
         None => Performance::of(family, &cluster.device),
     };
     performance.loss_compiled = engine.loss_compiled;
-    performance.apply(&mut cluster.device);
+    cluster.run_engine_at(performance.efficiency);
     engine.performance = Some(performance);
 }
 

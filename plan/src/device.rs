@@ -333,6 +333,59 @@ impl DeviceModel {
         names_a_cpu(&self.name) && self.product_traffic.is_some()
     }
 
+    /// The executor's own work on this machine `speed` times as fast as `pipec calibrate`
+    /// measured it: the element-wise and function rates, the launch, the products' and
+    /// element-wise kernels' bytes beyond the cache, attention, the optimizer's updates, the
+    /// work per layer pass and the synthetic draws. Not the efficiency curves' peaks, which
+    /// [`crate::engine::performance::scale_peaks`] scales, nor the link between workers.
+    pub fn run_faster(&mut self, speed: f64) {
+        // every field named: a new figure says here whether it is the executor's own work
+        let DeviceModel {
+            name: _,
+            memory: _,
+            matrix: _,
+            vector,
+            memory_bandwidth: _,
+            launch,
+            matrix_efficiency: _,
+            memory_efficiency: _,
+            functions,
+            link: _,
+            optimizer,
+            product_traffic,
+            memory_traffic,
+            attention,
+            power: _,
+            layer_pass,
+            layer_pass_backward,
+            data,
+        } = self;
+        let Functions { exp, gelu, gelu_tanh, silu, tanh, gelu_grad, gelu_tanh_grad, silu_grad, tanh_grad } = functions;
+        let mut rates = vec![vector, exp, gelu, gelu_tanh, silu, tanh, gelu_grad, gelu_tanh_grad, silu_grad, tanh_grad];
+        rates.extend([product_traffic, memory_traffic].into_iter().flatten().map(|t| &mut t.bandwidth));
+        for rate in rates {
+            *rate *= speed;
+        }
+        let mut seconds: Vec<&mut f64> = vec![launch];
+        if let Some(OptimizerRates { sgd, momentum, adam }) = optimizer {
+            for u in [sgd, momentum, adam] {
+                seconds.extend([&mut u.per_tensor, &mut u.per_parameter]);
+            }
+        }
+        if let Some(AttentionRates { forward, backward }) = attention {
+            for f in [forward, backward] {
+                seconds.extend([&mut f.per_call, &mut f.per_mac, &mut f.per_score, &mut f.per_value]);
+            }
+        }
+        if let Some(DrawRates { feature, token, score }) = data {
+            seconds.extend([feature, token, score]);
+        }
+        seconds.extend(layer_pass.iter_mut().chain(layer_pass_backward.iter_mut()));
+        for s in seconds {
+            *s /= speed;
+        }
+    }
+
     /// A device known only by one throughput: every kernel's FLOPs at that rate, no memory
     /// bound, no size effect, no launch cost (what a spec's `throughput` alone says).
     pub fn uniform(name: &str, memory: f64, throughput: f64) -> Self {
@@ -927,6 +980,45 @@ mod tests {
             let text = serde_json::to_string(&bad).expect("json");
             assert!(DeviceModel::from_json(&text).is_err(), "{text}");
         }
+    }
+
+    /// A machine twice as fast as its calibration: every measured time halves, every
+    /// measured rate doubles, the peaks, the memory's bandwidth and the link as they were;
+    /// half as fast again is the file as it was.
+    #[test]
+    fn a_measured_machine_run_faster_halves_its_times_and_doubles_its_rates() {
+        let mut d = DeviceModel::uniform("cpu (pipec calibrate)", 1e9, 1e11);
+        d.memory_bandwidth = 5e10;
+        d.launch = 6e-7;
+        d.functions = Functions { exp: 4e8, silu: 2e8, tanh_grad: 6e7, ..Functions::default() };
+        d.product_traffic = Some(Traffic { bandwidth: 5e9, cached: 7e5 });
+        d.memory_traffic = Some(Traffic { bandwidth: 2e10, cached: 8e5 });
+        let rate = |t: f64, p: f64| UpdateRate { per_tensor: t, per_parameter: p };
+        d.optimizer =
+            Some(OptimizerRates { sgd: rate(2e-6, 4e-9), momentum: rate(2e-6, 6e-9), adam: rate(3e-6, 8e-9) });
+        let fit = AttentionFit { per_call: 3e-5, per_mac: 1e-11, per_score: 5e-9, per_value: 1e-8 };
+        d.attention = Some(AttentionRates { forward: fit, backward: fit });
+        d.layer_pass = Some(1e-5);
+        d.layer_pass_backward = Some(6e-6);
+        d.data = Some(DrawRates { feature: 2.6e-8, token: 3e-9, score: 2.5e-10 });
+        d.link = Some(MeasuredLink { bandwidth: 3e14, latency: 3e-5, efficiency: 1.0 });
+        let mut fast = d.clone();
+        fast.run_faster(2.0);
+        let close = |a: f64, b: f64| (a - b).abs() <= 1e-12 * b.abs();
+        assert!(close(fast.vector, 2e11) && close(fast.functions.exp, 8e8) && close(fast.functions.tanh_grad, 1.2e8));
+        assert!(close(fast.product_traffic.expect("kept").bandwidth, 1e10));
+        assert!(close(fast.memory_traffic.expect("kept").bandwidth, 4e10));
+        assert!(close(fast.launch, 3e-7) && close(fast.layer_pass.expect("kept"), 5e-6));
+        assert!(close(fast.layer_pass_backward.expect("kept"), 3e-6));
+        assert!(close(fast.optimizer.expect("kept").adam.per_parameter, 4e-9));
+        assert!(close(fast.attention.expect("kept").backward.per_mac, 5e-12));
+        assert!(close(fast.data.expect("kept").feature, 1.3e-8));
+        let unmoved =
+            |m: &DeviceModel| (m.memory_bandwidth, m.matrix, m.matrix_efficiency, m.memory_efficiency, m.link);
+        assert_eq!(unmoved(&fast), unmoved(&d));
+        fast.run_faster(0.5);
+        assert!(close(fast.vector, d.vector) && close(fast.launch, d.launch));
+        assert!(close(fast.data.expect("kept").score, 2.5e-10) && close(fast.layer_pass.expect("kept"), 1e-5));
     }
 
     #[test]

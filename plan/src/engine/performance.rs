@@ -780,18 +780,25 @@ impl Performance {
             ),
         }
     }
-
-    /// `device` as this engine runs it: its efficiency curves' peaks scaled.
-    pub fn apply(&self, device: &mut DeviceModel) {
-        scale_peaks(device, self.efficiency);
-    }
 }
 
-/// Scales a device's efficiency peaks by `factor`, to at most [`peak_cap`].
-pub fn scale_peaks(device: &mut DeviceModel, factor: f64) {
+/// Scales a device's efficiency peaks by `factor`, to at most [`peak_cap`]. On a device
+/// `pipec calibrate` measured ([`DeviceModel::measured`]) the constant is the machine's
+/// speed against its calibration, and the rest of the executor's measured work runs that
+/// much faster too ([`DeviceModel::run_faster`], by the factor as the products' peak took
+/// it): on a 2-core CPU a pipeline's products are a quarter of its step, and a step 9%
+/// under its prediction was out of the products' reach (docs/benchmarks.md). Returns that
+/// factor as the products' peak took it (`factor`, or less at the cap).
+pub fn scale_peaks(device: &mut DeviceModel, factor: f64) -> f64 {
     let cap = peak_cap(device);
-    device.matrix_efficiency.peak = (device.matrix_efficiency.peak * factor).min(cap);
+    let before = device.matrix_efficiency.peak;
+    device.matrix_efficiency.peak = (before * factor).min(cap);
     device.memory_efficiency.peak = (device.memory_efficiency.peak * factor).min(cap);
+    let taken = if before > 0.0 { device.matrix_efficiency.peak / before } else { factor };
+    if device.measured() {
+        device.run_faster(taken);
+    }
+    taken
 }
 
 /// The highest peak an engine's constant scales `device`'s efficiency curves to: 1 (a
@@ -1032,10 +1039,20 @@ mod tests {
         let mut cpu = DeviceModel::uniform("cpu (pipec calibrate)", 1e9, 1e11);
         assert_eq!(peak_cap(&cpu), 1.0, "figures alone are not a measurement");
         cpu.product_traffic = Some(crate::device::Traffic { bandwidth: 1e10, cached: 1e6 });
+        cpu.layer_pass = Some(12e-6);
         scale_peaks(&mut cpu, 1.2);
         assert!((cpu.matrix_efficiency.peak - 1.2).abs() < 1e-12);
-        scale_peaks(&mut cpu, 2.0);
+        // the rest of the executor's measured work runs as much faster
+        assert!((cpu.vector - 1.2e11).abs() < 1.0 && (cpu.layer_pass.expect("kept") - 10e-6).abs() < 1e-15, "{cpu:?}");
+        let taken = scale_peaks(&mut cpu, 2.0);
         assert_eq!(cpu.matrix_efficiency.peak, 4.0 / 3.0);
+        assert!((taken - 4.0 / 3.0 / 1.2).abs() < 1e-12, "{taken}");
+        // by the factor the peak took, to the cap
+        assert!((cpu.product_traffic.expect("kept").bandwidth - 1e10 * 4.0 / 3.0).abs() < 1.0, "{cpu:?}");
+        // a preset's other figures are its datasheet's
+        let (mut h, bare) = (preset("h100-sxm").expect("preset").model(), preset("h100-sxm").expect("preset").model());
+        scale_peaks(&mut h, 0.8);
+        assert_eq!((h.vector, h.launch), (bare.vector, bare.launch));
     }
 
     #[test]
