@@ -1160,15 +1160,13 @@ training:
         let long = 1.0;
         let all = pair(&[long; 4], &[long; 4]);
         assert!((all - (8.0 * long + whole - computed)).abs() < 1e-9, "{all}");
-        // one layer's phases by hand: the backward's combine beside the forward's attention,
-        // both dispatches beside both MLPs, the forward's combine beside the backward's
-        // attention; the forward's k-th layer with the backward's k-th from the last
+        // the forward's k-th layer with the backward's k-th from the last, each pair as
+        // `layer_pair` issues it; a pair without exchanges is its four parts one after the
+        // other
         let (x, y) = (parts[0], parts[1]);
         let sent = [x.attention[0] * 0.5, x.mlp[0] * 3.0, 0.0, 0.0];
         let returned = [y.attention[0] * 2.0, y.mlp[1] * 0.25, 0.0, 0.0];
-        let by_hand = x.attention[0].max(returned[0])
-            + (y.mlp[1] + x.mlp[0]).max(sent[0] + returned[1])
-            + y.attention[1].max(sent[1])
+        let by_hand = crate::plan_cost::layer_pair(&x, &y, [sent[0], sent[1]], [returned[0], returned[1]])
             + x.attention[1]
             + x.mlp[1]
             + y.attention[0]
@@ -1182,5 +1180,27 @@ training:
         // an exchange the layers do not pair (a fifth) runs after them
         let odd = pair(&[0.0, 0.0, 0.0, 0.0, 0.5], &[0.0; 4]);
         assert!((odd - whole - 0.5).abs() < 1e-9);
+    }
+
+    /// One layer pair by hand, in Megatron-LM's order on its two streams: the forward's
+    /// attention 1 and MLP 1, the backward's attention 2 and MLP 2, the forward's dispatch
+    /// 3 and nothing else exchanged. Compute: attention 0–1, the backward's MLP 1–3; the
+    /// dispatch 1–4; the forward's MLP waits for it, 4–5; the backward's attention 5–7. The
+    /// phases taken apart (each its longer side: 1 + max(2 + 1, 3) + 2) would give 6.
+    #[test]
+    fn a_layer_pairs_forward_mlp_waits_for_its_own_dispatch() {
+        use crate::figures::MoeParts;
+        let f = MoeParts { attention: [1.0, 0.0], mlp: [1.0, 0.0] };
+        let b = MoeParts { attention: [0.0, 2.0], mlp: [0.0, 2.0] };
+        let pair = |forward, backward| crate::plan_cost::layer_pair(&f, &b, forward, backward);
+        assert_eq!(pair([3.0, 0.0], [0.0, 0.0]), 7.0);
+        // nothing exchanged: the four parts one after the other
+        assert_eq!(pair([0.0; 2], [0.0; 2]), 6.0);
+        // exchanges far longer than the parts: the four one after the other, each waiting
+        // for the part before it on the other stream
+        assert_eq!(pair([10.0; 2], [10.0; 2]), 1.0f64.max(10.0) + 10.0 + 10.0 + 10.0);
+        // the backward's dispatch waits for its MLP's input gradient (1–2) and runs 2–3,
+        // beside the MLPs (1–4): hidden; the backward's attention 4–6
+        assert_eq!(pair([0.0; 2], [0.0, 1.0]), 6.0);
     }
 }

@@ -300,6 +300,37 @@ impl PlanCost<'_> {
     }
 }
 
+/// One expert layer of a forward paired with one of a backward as Megatron-LM's combined
+/// 1F1B issues them (`TransformerLayerSchedulePlan.run`, megatron/core/models/common/
+/// model_chunk_schedule_plan.py at d98e8a64): the compute stream runs the forward's
+/// attention, the backward's MLP (its input gradient, then its weights'), the forward's MLP
+/// and the backward's attention; the communication stream the backward's combine, the
+/// forward's dispatch, the backward's dispatch and the forward's combine; each in order, and
+/// each waiting for what it reads: the backward's MLP for its combine, the forward's
+/// dispatch for its attention (the router), the backward's dispatch for its MLP's input
+/// gradient, the forward's MLP for its dispatch, its combine for its MLP, the backward's
+/// attention for its dispatch. Returns when both streams are done; the next layer pair
+/// reads what this one's last steps make. `forward`: the forward's (dispatch, combine);
+/// `backward`: the backward's (combine, dispatch), seconds. The MLP's backward is taken as
+/// half its input gradient and half its weights'.
+pub(crate) fn layer_pair(
+    f: &crate::figures::MoeParts,
+    b: &crate::figures::MoeParts,
+    [dispatch, combine]: [f64; 2],
+    [combine_grad, dispatch_grad]: [f64; 2],
+) -> f64 {
+    let (attention, mlp, mlp_back, attention_back) = (f.attention[0], f.mlp[0], b.mlp[1], b.attention[1]);
+    // the backward's combine beside the forward's attention
+    let start = attention.max(combine_grad);
+    let dispatched = start + dispatch;
+    let input_grad = start + mlp_back / 2.0;
+    let dispatched_grad = dispatched.max(input_grad) + dispatch_grad;
+    let mlp_done = (start + mlp_back).max(dispatched) + mlp;
+    let combined = dispatched_grad.max(mlp_done) + combine;
+    let attention_done = mlp_done.max(dispatched_grad) + attention_back;
+    combined.max(attention_done)
+}
+
 impl CostModel for PlanCost<'_> {
     fn compute(&self, device: DeviceId, instr: &Instr) -> f64 {
         self.kernels(instr) + self.in_line(device, instr)
@@ -321,12 +352,10 @@ impl CostModel for PlanCost<'_> {
     }
     /// Megatron-LM's combined 1F1B overlaps the two passes layer by layer
     /// (`TransformerLayerSchedulePlan.run`, megatron/core/models/common/
-    /// model_chunk_schedule_plan.py): for the k-th expert layer of the forward and the k-th
-    /// of the backward (last to first), the backward's combine beside the forward's
-    /// attention, the forward's and the backward's dispatches beside the two MLPs, the
-    /// forward's combine beside the backward's attention — each phase as long as its longer
-    /// side; what the layers do not pair (other layers, the tensor-parallel collectives,
-    /// layers beyond the shorter pass's) runs one after the other. DualPipe's pairs keep
+    /// model_chunk_schedule_plan.py): the k-th expert layer of the forward with the k-th of
+    /// the backward (last to first), on a compute and a communication stream
+    /// ([`layer_pair`]); what the layers do not pair (other layers, the tensor-parallel
+    /// collectives, layers beyond the shorter pass's) runs one after the other. DualPipe's pairs keep
     /// [`overlapped`](CostModel::overlapped)'s whole overlap (DeepSeek-V3 tunes its
     /// communication's SMs until the exchanges hide).
     fn overlapped_exchanges(
@@ -348,13 +377,10 @@ impl CostModel for PlanCost<'_> {
         let (mut computed, mut hidden) = (0.0, 0.0);
         for k in 0..pairs {
             let (f, b) = (&f_layers[k], &b_layers[b_layers.len() - 1 - k]);
-            let (dispatch, combine) = (sent[2 * k], sent[2 * k + 1]);
-            let (combine_grad, dispatch_grad) = (returned[2 * k], returned[2 * k + 1]);
-            paired += f.attention[0].max(combine_grad)
-                + (b.mlp[1] + f.mlp[0]).max(dispatch + dispatch_grad)
-                + b.attention[1].max(combine);
+            let (forward, backward) = ([sent[2 * k], sent[2 * k + 1]], [returned[2 * k], returned[2 * k + 1]]);
+            paired += layer_pair(f, b, forward, backward);
             computed += f.attention[0] + f.mlp[0] + b.attention[1] + b.mlp[1];
-            hidden += dispatch + combine + combine_grad + dispatch_grad;
+            hidden += forward.iter().chain(&backward).sum::<f64>();
         }
         let whole = self.compute(device, forward) + self.compute(device, backward);
         Some(paired + (whole - computed).max(0.0) + (exchanged - hidden).max(0.0))
