@@ -148,7 +148,7 @@ pub fn run(out: PathBuf, backend: Backend, memory: &str, reps: usize, concurrent
         );
     }
     if let Some(s) = d.layer_pass {
-        let backward = d.layer_pass_backward.unwrap_or(2.0 * s);
+        let backward = d.layer_overheads().1;
         eprintln!(
             "the executor's own work per layer pass: {:.1} µs a forward, {:.1} µs a backward (a spec on this file without an `overhead` plans with it)",
             s * 1e6,

@@ -35,15 +35,15 @@ pub struct ThisCpu {
 }
 
 impl ThisCpu {
-    /// Seconds of the executor's work per layer forward (twice per backward) beyond the
-    /// kernels: the spec's `overhead`.
+    /// Seconds of the executor's work per layer forward beyond the kernels: the spec's
+    /// `overhead`.
     pub fn overhead(&self) -> f64 {
-        self.device.layer_pass.unwrap_or(0.0)
+        self.device.layer_overheads().0
     }
 
     /// The same per layer backward (twice the forward's where none was measured apart).
     pub fn overhead_backward(&self) -> f64 {
-        self.device.layer_pass_backward.unwrap_or(2.0 * self.overhead())
+        self.device.layer_overheads().1
     }
 
     /// The line `pipec run` prints about it.

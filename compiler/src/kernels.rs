@@ -43,8 +43,8 @@ pub struct CostContext<'a> {
     pub attention: Attention,
     /// How context parallelism exchanges keys and values (`cp_comm`).
     pub cp_comm: CpComm,
-    /// Seconds a layer's forward costs beyond its kernels (its backward twice that): the
-    /// spec's `overhead`, framework work per pass.
+    /// Seconds a layer's forward costs beyond its kernels: the spec's `overhead` (or the
+    /// device file's measured figure), framework work per pass.
     pub overhead: f64,
     /// The same per layer backward (the spec's `overhead` twice, or the device file's).
     pub overhead_backward: f64,

@@ -236,8 +236,8 @@ pub struct Cluster {
     /// Bytes of memory per device (`device.memory`).
     pub memory: f64,
     pub memory_span: Span,
-    /// Seconds every layer's forward (and, twice, its backward) costs beyond its kernels:
-    /// framework work per pass (0 unless given).
+    /// Seconds every layer's forward costs beyond its kernels: framework work per pass (the
+    /// spec's `overhead`, else the device file's measured figure; 0 unless given).
     pub overhead: f64,
     /// The same per layer backward: twice `overhead` where the spec writes it, else the
     /// device file's measured figure (`DeviceModel::layer_pass_backward`, twice its

@@ -794,10 +794,7 @@ fn lower_device(
     // the spec's own overhead, else the one `pipec calibrate` measured for a device file
     let overhead = match overhead {
         Some(o) => (o, 2.0 * o),
-        None => {
-            let forward = device.layer_pass.unwrap_or(0.0);
-            (forward, device.layer_pass_backward.unwrap_or(2.0 * forward))
-        }
+        None => device.layer_overheads(),
     };
     Some((device, span, overhead))
 }

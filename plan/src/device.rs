@@ -178,7 +178,7 @@ pub struct DeviceModel {
     /// constant is for (`crate::engine::performance`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub power: Option<f64>,
-    /// Seconds of pipec's executor's own work per layer forward (twice per backward) that
+    /// Seconds of pipec's executor's own work per layer forward that
     /// its kernels do not show, as `pipec calibrate` fitted it on the CPU
     /// (`this_cpu::layer_overhead`); None on the presets. A spec on this device without an
     /// `overhead` of its own plans with it.
@@ -333,6 +333,14 @@ impl DeviceModel {
         names_a_cpu(&self.name) && self.product_traffic.is_some()
     }
 
+    /// Seconds of pipec's executor's own work per layer forward and per layer backward
+    /// ([`layer_pass`](Self::layer_pass), [`layer_pass_backward`](Self::layer_pass_backward):
+    /// twice the forward's where the backward's was not measured apart; 0 where neither was).
+    pub fn layer_overheads(&self) -> (f64, f64) {
+        let forward = self.layer_pass.unwrap_or(0.0);
+        (forward, self.layer_pass_backward.unwrap_or(2.0 * forward))
+    }
+
     /// The executor's own work on this machine `speed` times as fast as `pipec calibrate`
     /// measured it: the element-wise and function rates, the launch, the products' and
     /// element-wise kernels' bytes beyond the cache, attention, the optimizer's updates, the
@@ -472,17 +480,12 @@ impl DeviceModel {
         if let Some(r) = d.data.filter(|r| !r.is_valid()) {
             return Err(format!("the synthetic data's draw needs finite seconds of 0 or more per value, found {r:?}"));
         }
-        if d.layer_pass_backward.is_some_and(|s| !(s.is_finite() && s >= 0.0)) {
-            return Err(format!(
-                "the executor's work per layer backward must be finite and not negative, found {:?}",
-                d.layer_pass_backward
-            ));
-        }
-        if d.layer_pass.is_some_and(|s| !(s.is_finite() && s >= 0.0)) {
-            return Err(format!(
-                "the executor's work per layer pass must be finite and not negative, found {:?}",
-                d.layer_pass
-            ));
+        for (what, s) in [("backward", d.layer_pass_backward), ("pass", d.layer_pass)] {
+            if s.is_some_and(|s| !(s.is_finite() && s >= 0.0)) {
+                return Err(format!(
+                    "the executor's work per layer {what} must be finite and not negative, found {s:?}"
+                ));
+            }
         }
         if let Some(o) = d.optimizer {
             if [o.sgd, o.momentum, o.adam].iter().any(|r| {
@@ -607,11 +610,10 @@ impl DeviceModel {
         if bytes <= 0.0 || !self.memory_bandwidth.is_finite() {
             return 0.0;
         }
-        let within = match self.memory_traffic {
-            Some(t) => bytes.min(t.cached),
-            None => bytes,
+        let (within, beyond) = match self.memory_traffic {
+            Some(t) => (bytes.min(t.cached), (bytes - t.cached).max(0.0) / t.bandwidth),
+            None => (bytes, 0.0),
         };
-        let beyond = self.memory_traffic.map_or(0.0, |t| (bytes - t.cached).max(0.0) / t.bandwidth);
         within / (self.memory_bandwidth * self.memory_efficiency.at(bytes)) + beyond
     }
 }

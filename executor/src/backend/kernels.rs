@@ -374,7 +374,6 @@ pub(crate) fn conv2d<B: Kernels>(
 /// A max pool's output and each output's largest value's offset in its input plane.
 pub type Pooled<B> = (FloatTensor<B>, IntTensor<B>);
 
-/// Max pooling through [`Kernels::max_pool`] ([n, C, h, w] by `window`).
 /// [`Kernels::batch_norm`] on tensors: (output, mean, variance).
 pub(crate) fn batch_norm<B: Kernels>(
     x: Tensor<B, 4>,
@@ -392,6 +391,7 @@ pub(crate) fn batch_norm<B: Kernels>(
     (Tensor::from_primitive(TensorPrimitive::Float(y)), wrap1(mean), wrap1(var))
 }
 
+/// Max pooling through [`Kernels::max_pool`] ([n, C, h, w] by `window`).
 pub(crate) fn max_pool<B: Kernels>(x: Tensor<B, 4>, window: PoolWindow) -> Tensor<B, 4> {
     Tensor::from_primitive(TensorPrimitive::Float(B::max_pool(x.into_primitive().tensor(), window).0))
 }

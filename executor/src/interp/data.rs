@@ -146,7 +146,7 @@ impl Dataset {
         if let Source::Synthetic { samples, .. } = data.source {
             // (what the cost model prices as not drawn as training runs)
             let drawn = pipec_plan::plan::synthetic_draw(Some(samples), (numel, outputs), vocab.is_some(), false);
-            if samples > 0 && drawn.is_none() {
+            if drawn.is_none() {
                 let all: Vec<usize> = (0..samples).collect();
                 let generated = data.samples(&all);
                 if let Source::Synthetic { cache, .. } = &mut data.source {
