@@ -164,6 +164,15 @@ impl<I: Kernels, C: CheckpointStrategy> Kernels for Autodiff<I, C> {
         norm_backward::batch_norm::<I, C>(x, gamma, beta, eps)
     }
 
+    fn row_norm(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: Option<FloatTensor<Self>>,
+        eps: f64,
+    ) -> crate::backend::kernels::RowNormed<Self> {
+        norm_backward::row_norm::<I, C>(x, gamma, beta, eps)
+    }
+
     fn embed(w: Tensor<Self, 2>, ids: Tensor<Self, 2, burn::tensor::Int>) -> Tensor<Self, 3> {
         let w = w.into_primitive().tensor();
         // ZeRO-3: a table gathered for this lookup only; its backward needs none of it (the

@@ -135,4 +135,4 @@ pub(crate) fn gradients(
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

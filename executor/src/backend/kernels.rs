@@ -13,6 +13,13 @@ use crate::backend::pool::PoolWindow;
 /// Batch normalisation's output, mean and variance ([`Kernels::batch_norm`]).
 pub type Normalised<B> = (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>);
 
+/// A row norm's output and its rows' statistics ([`Kernels::row_norm`]).
+pub type RowNormed<B> = (FloatTensor<B>, FloatTensor<B>);
+
+/// A row norm's gradients: of the input, the gain and (a layer norm's) the bias
+/// ([`Kernels::row_norm_grads`]).
+pub type RowNormGrads<B> = (FloatTensor<B>, FloatTensor<B>, Option<FloatTensor<B>>);
+
 /// What the executor needs of a backend beyond Burn's: its dense product.
 pub trait Kernels: Backend {
     /// `a · b` for 2-D tensors (by default Burn's matmul).
@@ -140,6 +147,30 @@ pub trait Kernels: Backend {
         eps: f64,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
         crate::backend::norm::gradients::<Self>(x, gamma, stats, dy, eps)
+    }
+
+    /// Layer normalisation (with `beta`) or RMSNorm (without) of `x` over its last
+    /// dimension, scaled by γ: (output, each row's mean and 1/√(variance + ε) as [rows, 2];
+    /// RMSNorm's mean 0), by default on Burn's operations (`crate::backend::row_norm`).
+    fn row_norm(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: Option<FloatTensor<Self>>,
+        eps: f64,
+    ) -> RowNormed<Self> {
+        crate::backend::row_norm::forward::<Self>(x, gamma, beta, eps)
+    }
+
+    /// [`Kernels::row_norm`]'s gradients (dx, dγ, dβ where `beta`) from its output's
+    /// gradient `dy`, with the rows' statistics it kept (by default on Burn's operations).
+    fn row_norm_grads(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        stats: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+        beta: bool,
+    ) -> RowNormGrads<Self> {
+        crate::backend::row_norm::gradients::<Self>(x, gamma, stats, dy, beta)
     }
 
     /// Max pooling of `x` [n, C, h, w] by `window`: the pooled tensor and each output's
@@ -305,6 +336,28 @@ impl Kernels for burn::backend::Flex {
             .unwrap_or_else(|| crate::backend::norm::gradients::<Self>(x, gamma, (mean, var), dy, eps))
     }
 
+    fn row_norm(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: Option<FloatTensor<Self>>,
+        eps: f64,
+    ) -> RowNormed<Self> {
+        // fused (crate::backend::flex_row_norm), Burn's operations for what it does not take
+        crate::backend::flex_row_norm::forward(&x, &gamma, beta.as_ref(), eps)
+            .unwrap_or_else(|| crate::backend::row_norm::forward::<Self>(x, gamma, beta, eps))
+    }
+
+    fn row_norm_grads(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        stats: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+        beta: bool,
+    ) -> RowNormGrads<Self> {
+        crate::backend::flex_row_norm::gradients(&x, &gamma, &stats, &dy, beta)
+            .unwrap_or_else(|| crate::backend::row_norm::gradients::<Self>(x, gamma, stats, dy, beta))
+    }
+
     fn max_pool(x: FloatTensor<Self>, window: PoolWindow) -> Pooled<Self> {
         // one plane at a time (crate::backend::flex_pool), flex's own for what it does not take
         crate::backend::flex_pool::forward(&x, window).unwrap_or_else(|| burn_max_pool::<Self>(x, window))
@@ -389,6 +442,19 @@ pub(crate) fn batch_norm<B: Kernels>(
     );
     let wrap1 = |t| Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(t));
     (Tensor::from_primitive(TensorPrimitive::Float(y)), wrap1(mean), wrap1(var))
+}
+
+/// [`Kernels::row_norm`] on tensors: the output alone (layer normalisation with `beta`,
+/// RMSNorm without).
+pub(crate) fn row_norm<B: Kernels, const D: usize>(
+    x: Tensor<B, D>,
+    gamma: Tensor<B, 1>,
+    beta: Option<Tensor<B, 1>>,
+    eps: f64,
+) -> Tensor<B, D> {
+    let p = |t: Tensor<B, 1>| t.into_primitive().tensor();
+    let (y, _) = B::row_norm(x.into_primitive().tensor(), p(gamma), beta.map(p), eps);
+    Tensor::from_primitive(TensorPrimitive::Float(y))
 }
 
 /// Max pooling through [`Kernels::max_pool`] ([n, C, h, w] by `window`).

@@ -10,6 +10,7 @@ pub(crate) mod flex_conv;
 pub(crate) mod flex_gemm;
 pub(crate) mod flex_norm;
 pub(crate) mod flex_pool;
+pub(crate) mod flex_row_norm;
 pub(crate) mod flex_softmax;
 pub(crate) mod flex_weights;
 pub mod kernels;
@@ -19,6 +20,7 @@ pub mod port;
 pub mod resident;
 pub mod ring;
 pub mod rng;
+pub mod row_norm;
 
 /// The CPU backend with autodiff.
 pub type CpuBackend = burn::backend::Autodiff<burn::backend::Flex>;

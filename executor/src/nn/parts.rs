@@ -216,7 +216,7 @@ pub struct Norm<B: Backend> {
     pub eps: f64,
 }
 
-impl<B: Backend> Norm<B> {
+impl<B: Kernels> Norm<B> {
     /// A norm of `kind`: its gain in `slot`, a layer norm's bias in `slot + 1`.
     pub(crate) fn of(kind: NormKind, layer: usize, slot: u64, dim: usize, eps: f64, device: &B::Device) -> Self {
         Norm {
@@ -227,28 +227,14 @@ impl<B: Backend> Norm<B> {
     }
 
     pub(crate) fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        let mut shape = [1usize; D];
-        shape[D - 1] = self.gamma.dims()[0];
-        match &self.beta {
-            Some(beta) => {
-                let mean = x.clone().mean_dim(D - 1);
-                let centered = x - mean;
-                let var = centered.clone().powi_scalar(2).mean_dim(D - 1);
-                let normed = centered / (var + self.eps).sqrt();
-                normed * self.gamma.val().reshape(shape) + beta.val().reshape(shape)
-            }
-            None => rms_norm(x, self.gamma.val(), self.eps),
-        }
+        crate::backend::kernels::row_norm(x, self.gamma.val(), self.beta.as_ref().map(|b| b.val()), self.eps)
     }
 }
 
 /// RMSNorm over the last dimension of `x` with the gains `gain`: x / √(mean(x²) + ε) · gain
 /// (a [`Norm`]'s without a bias; multi-head latent attention's latents').
-pub(crate) fn rms_norm<B: Backend, const D: usize>(x: Tensor<B, D>, gain: Tensor<B, 1>, eps: f64) -> Tensor<B, D> {
-    let mut shape = [1usize; D];
-    shape[D - 1] = gain.dims()[0];
-    let ms = x.clone().powi_scalar(2).mean_dim(D - 1);
-    x / (ms + eps).sqrt() * gain.reshape(shape)
+pub(crate) fn rms_norm<B: Kernels, const D: usize>(x: Tensor<B, D>, gain: Tensor<B, 1>, eps: f64) -> Tensor<B, D> {
+    crate::backend::kernels::row_norm(x, gain, None, eps)
 }
 
 /// What a stage's forward collects beside its output.

@@ -5,19 +5,19 @@ use proptest::prelude::*;
 
 use crate::backend::kernels::batch_norm;
 
-type A = Autodiff<Flex>;
+pub(crate) type A = Autodiff<Flex>;
 
-fn random<const D: usize>(shape: [usize; D], seed: u64, mean: f64) -> Tensor<A, D> {
+pub(crate) fn random<const D: usize>(shape: [usize; D], seed: u64, mean: f64) -> Tensor<A, D> {
     <Flex as burn::tensor::backend::Backend>::seed(&Default::default(), seed);
     Tensor::random(shape, Distribution::Normal(mean, 1.5), &Default::default())
 }
 
-fn values<const D: usize>(t: Tensor<A, D>) -> Vec<f32> {
+pub(crate) fn values<const D: usize>(t: Tensor<A, D>) -> Vec<f32> {
     t.into_data().to_vec::<f32>().expect("f32")
 }
 
 /// Largest difference of `a` from `b`, relative to `b`'s largest magnitude.
-fn off(a: &[f32], b: &[f32]) -> f32 {
+pub(crate) fn off(a: &[f32], b: &[f32]) -> f32 {
     let scale = b.iter().fold(1e-6f32, |s, v| s.max(v.abs()));
     a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max) / scale
 }
