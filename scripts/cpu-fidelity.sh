@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Predicted against measured CPU steps after `pipec calibrate` (docs/benchmarks.md, "CPU
 # steps after calibration"): calibrates this machine one worker at a time and two at once,
-# points the benchmark specs at those device files, runs each RUNS times and prints the
-# median measured step beside the prediction, then the same for tensor parallelism 2
-# against 1; then `pipec calibrate --measured` on one measured run of MEASURED (default
-# 1f1b) and the specs on the same device file (two workers at once) again with the engine
-# file it writes. Usage:
+# points the benchmark specs at those device files and runs them in RUNS rounds, each
+# round every spec once in turn (a machine whose speed drifts slows every spec alike), and
+# prints each spec's median measured step beside its prediction, then tensor parallelism 2
+# against 1; then `pipec calibrate --measured` on the log of MEASURED's (default 1f1b)
+# median run of those rounds, and the two-worker specs' same medians against the
+# predictions with the engine file it writes. Usage:
 # scripts/cpu-fidelity.sh [PIPEC] [RUNS] [MEASURED] (a release build; default
-# target/release/pipec, 5 runs). Writes nothing outside a temporary directory.
+# target/release/pipec, 5 rounds). Writes nothing outside a temporary directory.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 pipec=${1:-${CARGO_TARGET_DIR:-target}/release/pipec}
@@ -39,14 +40,16 @@ sed -e 's/^  devices_per_node: 2/  devices_per_node: 1/' -e 's/^  tp: 2/  tp: 1/
 all="mlp gpipe 1f1b gpt-tiny mlp-1f1b resnet cnn tp1 tp2"
 # the specs on the two-worker file, the one `--measured` calibrates
 two="gpipe 1f1b gpt-tiny mlp-1f1b resnet cnn tp2"
-# each run's "step time: measured A UNIT ..., predicted B UNIT" line, in seconds; $1: the
-# spec files' prefix, then the specs' names
-steps() {
+# RUNS rounds of every spec named, one `pipec run --steps 10` each; each run's "step time:
+# measured A UNIT ..., predicted B UNIT" line, prefixed with the spec's name, its round and
+# its log (metrics.jsonl); $1: the spec files' prefix, then the specs' names
+rounds() {
     prefix=$1
     shift
-    for name in "$@"; do
-        for _ in $(seq "$runs"); do
-            "$pipec" run "$dir/$prefix$name.yaml" --steps 10 -o "$dir/out" 2>&1 | grep '^step time:' | sed "s/^/$name /"
+    for round in $(seq "$runs"); do
+        for name in "$@"; do
+            out="$dir/out/$prefix$name-$round"
+            "$pipec" run "$dir/$prefix$name.yaml" --steps 10 -o "$out" 2>&1 | grep '^step time:' | sed "s#^#$name $out/metrics.jsonl #"
         done
     done
 }
@@ -57,7 +60,7 @@ import re, statistics, sys
 unit = {"s": 1.0, "ms": 1e-3, "µs": 1e-6, "us": 1e-6, "ns": 1e-9}
 runs = {}
 for line in open(sys.argv[1], encoding="utf-8"):
-    m = re.match(r"(\S+) step time: measured ([\d.]+) (\S+) .*predicted ([\d.]+) (\S+?);", line)
+    m = re.match(r"(\S+) \S+ step time: measured ([\d.]+) (\S+) .*predicted ([\d.]+) (\S+?);", line)
     if m:
         name, a, ua, b, ub = m.groups()
         runs.setdefault(name, []).append((float(a) * unit[ua], float(b) * unit[ub]))
@@ -74,20 +77,37 @@ if "tp1" in runs and "tp2" in runs:
 PY
 }
 
-steps "" $all >"$dir/steps.txt"
+rounds "" $all >"$dir/steps.txt"
 echo "after \`pipec calibrate\`:"
 report "$dir/steps.txt"
 
-# pipec's executor fitted to one measured run of one spec (its metrics.jsonl), the others
-# predicted with the file it writes
-"$pipec" run "$dir/$measured_on.yaml" --steps 30 -o "$dir/measured" >/dev/null 2>&1
-if ! "$pipec" calibrate --measured "$dir/$measured_on.yaml" --log "$dir/measured/metrics.jsonl" -o "$dir/engine.json"; then
+# pipec's executor fitted to MEASURED's median run of the rounds (its metrics.jsonl), the
+# others' medians of the same rounds against the predictions with the file it writes
+log=$(python3 - "$dir/steps.txt" "$measured_on" <<'PY'
+import re, sys
+unit = {"s": 1.0, "ms": 1e-3, "µs": 1e-6, "us": 1e-6, "ns": 1e-9}
+runs = []
+for line in open(sys.argv[1], encoding="utf-8"):
+    m = re.match(r"(\S+) (\S+) step time: measured ([\d.]+) (\S+)", line)
+    if m and m.group(1) == sys.argv[2]:
+        runs.append((float(m.group(3)) * unit[m.group(4)], m.group(2)))
+runs.sort()
+print(runs[(len(runs) - 1) // 2][1] if runs else "")
+PY
+)
+if [ -z "$log" ]; then
+    echo "no run of $measured_on to calibrate on"
+    exit 1
+fi
+if ! "$pipec" calibrate --measured "$dir/$measured_on.yaml" --log "$log" -o "$dir/engine.json"; then
     echo "\`pipec calibrate --measured\` on $measured_on found no fit (above)"
     exit 0
 fi
+# the predictions with the engine file: one short run each (the measured steps are the rounds')
 for name in $two; do
     sed -e "s#^name: \(.*\)#name: \1\nengine: { name: pipec, calibration: $dir/engine.json }#" "$dir/$name.yaml" >"$dir/cal-$name.yaml"
-done
-steps cal- $two >"$dir/steps-measured.txt"
-echo "after \`pipec calibrate --measured\` on one run of $measured_on:"
+    predicted=$("$pipec" run "$dir/cal-$name.yaml" --steps 2 -o "$dir/out/cal-$name" 2>&1 | grep '^step time:' | sed -e 's/.*predicted \([^;]*\);.*/\1/')
+    grep "^$name " "$dir/steps.txt" | sed -e "s/predicted [^;]*;/predicted $predicted;/"
+done >"$dir/steps-measured.txt"
+echo "after \`pipec calibrate --measured\` on the median of $runs runs of $measured_on:"
 report "$dir/steps-measured.txt"

@@ -51,19 +51,35 @@ pub fn run(out: PathBuf, backend: Backend, memory: &str, reps: usize, concurrent
         }
     };
     let d = &measured.device;
-    // the CPU's points are linear layers' products as training runs them (forward and
-    // backward through autodiff, a third of the pass each); a GPU's the bare products
+    // the CPU's points are linear layers' forwards as training runs them (through
+    // autodiff), beside their backwards; a GPU's the bare products
     let what = if backend == Backend::Cpu { "layer product (m·k·n)" } else { "matrix product (m·k·n)" };
-    eprintln!("{:>22} {:>14} {:>12} {:>12}", what, "FLOPs", "measured", "fitted");
-    for ((m, k, n), p) in &measured.products {
+    let backwards = measured.backward.len() == measured.products.len();
+    let columns =
+        if backwards { format!(" {:>12} {:>12} {:>12}", "backward", "weight grad.", "fitted") } else { String::new() };
+    eprintln!("{:>22} {:>14} {:>12} {:>12}{columns}", what, "FLOPs", "measured", "fitted");
+    for (i, ((m, k, n), p)) in measured.products.iter().enumerate() {
         let bytes = pipec_executor::calibrate::product_bytes((*m, *k, *n));
         let fitted = d.matrix_time(p.size, bytes, pipec_plan::Precision::Fp32);
+        // the weight gradient: the backward beyond the input gradient (a forward's time)
+        let backward = match measured.backward.get(i).filter(|_| backwards) {
+            Some(b) => {
+                let fitted = d.weight_gradient_time(p.size, bytes, pipec_plan::Precision::Fp32);
+                format!(" {:>9.1} µs {:>9.1} µs {:>9.1} µs", b * 1e6, (b - p.seconds) * 1e6, fitted * 1e6)
+            }
+            None => String::new(),
+        };
         eprintln!(
-            "{:>22} {:>14.3e} {:>9.1} µs {:>9.1} µs",
+            "{:>22} {:>14.3e} {:>9.1} µs {:>9.1} µs{backward}",
             format!("{m}·{k}·{n}"),
             p.size,
             p.seconds * 1e6,
             fitted * 1e6
+        );
+    }
+    if let Some(w) = d.weight_gradient {
+        eprintln!(
+            "a weight gradient (with its bias's) at {w:.3} times its layer's forward (the median of the layers above)"
         );
     }
     eprintln!("{:>22} {:>14} {:>12} {:>12}", "element-wise add", "bytes", "measured", "fitted");

@@ -384,7 +384,7 @@ fn price(node: &OpNode, split: TpSplit, (first, last): (bool, bool), cx: &CostCo
             if !first {
                 bwd.matrix(flops, values);
             }
-            bwd.matrix(flops, values);
+            bwd.weight_gradient(flops, values);
         }
         Op::Conv2d { in_channels, out_channels, kernel, .. } => {
             let flops = forward_flops(node) * b;

@@ -306,8 +306,13 @@ impl Kernels<'_> {
             self.seconds += 2.0 * self.fp8_matrix_time(product.flops, product.values());
         } else {
             self.matrix(product.flops, product.values());
-            self.matrix(product.flops, product.values());
+            self.weight_gradient(product.flops, product.values());
         }
+    }
+    /// A weight gradient's product of `flops` moving `values` values
+    /// ([`DeviceModel::weight_gradient_time`]).
+    pub(crate) fn weight_gradient(&mut self, flops: f64, values: f64) {
+        self.seconds += self.device.weight_gradient_time(flops, values * self.p, self.precision);
     }
     /// [`Self::gradients`] with the input gradient in `input` steps and the weight gradient
     /// in `weight` steps over the rows (a split product's passes chunked against their
@@ -319,11 +324,13 @@ impl Kernels<'_> {
         if fp8 {
             self.grad_output_cast(product);
         }
-        for n in [input, weight] {
+        for (n, weights) in [(input, false), (weight, true)] {
             let step = product.step(n);
             for _ in 0..n.max(1) {
                 if fp8 {
                     self.seconds += self.fp8_matrix_time(step.flops, step.values());
+                } else if weights {
+                    self.weight_gradient(step.flops, step.values());
                 } else {
                     self.matrix(step.flops, step.values());
                 }

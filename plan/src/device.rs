@@ -188,6 +188,15 @@ pub struct DeviceModel {
     /// forward's; None: twice [`layer_pass`](Self::layer_pass).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub layer_pass_backward: Option<f64>,
+    /// The executor's weight gradients (a linear layer's, its bias's with it), where
+    /// `pipec calibrate` timed them apart from the forwards (the CPU): their seconds over a
+    /// forward product's of their size ([`weight_gradient_time`](Self::weight_gradient_time)).
+    /// The `gemm` kernel reads a weight gradient's left operand, the layer's input,
+    /// transposed, and adds into the step's sum: 1.1–1.3 times a forward at a transformer
+    /// block's shapes on a 2-core Xeon (docs/benchmarks.md). None (the presets): a weight
+    /// gradient is priced as any product of its size.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weight_gradient: Option<f64>,
     /// pipec's executor drawing synthetic data as training runs, as `pipec calibrate`
     /// measured it (the CPU); None on the presets, whose data loading is not priced.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -341,6 +350,13 @@ impl DeviceModel {
         (forward, self.layer_pass_backward.unwrap_or(2.0 * forward))
     }
 
+    /// Seconds of a weight gradient's product of `flops` moving `bytes`: where the device
+    /// measured the executor's ([`weight_gradient`](Self::weight_gradient)), that many times
+    /// a forward product's; elsewhere [`matrix_time`](Self::matrix_time).
+    pub fn weight_gradient_time(&self, flops: f64, bytes: f64, precision: Precision) -> f64 {
+        self.weight_gradient.unwrap_or(1.0) * self.matrix_time(flops, bytes, precision)
+    }
+
     /// The executor's own work on this machine `speed` times as fast as `pipec calibrate`
     /// measured it: the element-wise and function rates, the launch, the products' and
     /// element-wise kernels' bytes beyond the cache, attention, the optimizer's updates, the
@@ -366,6 +382,8 @@ impl DeviceModel {
             power: _,
             layer_pass,
             layer_pass_backward,
+            // a ratio of two of the executor's times: the same at any speed
+            weight_gradient: _,
             data,
         } = self;
         let Functions { exp, gelu, gelu_tanh, silu, tanh, gelu_grad, gelu_tanh_grad, silu_grad, tanh_grad } = functions;
@@ -415,6 +433,7 @@ impl DeviceModel {
             power: None,
             layer_pass: None,
             layer_pass_backward: None,
+            weight_gradient: None,
             data: None,
         }
     }
@@ -479,6 +498,11 @@ impl DeviceModel {
         }
         if let Some(r) = d.data.filter(|r| !r.is_valid()) {
             return Err(format!("the synthetic data's draw needs finite seconds of 0 or more per value, found {r:?}"));
+        }
+        if let Some(w) = d.weight_gradient.filter(|w| !(w.is_finite() && *w > 0.0)) {
+            return Err(format!(
+                "the weight gradient's time against the forward's must be finite and positive, found {w}"
+            ));
         }
         for (what, s) in [("backward", d.layer_pass_backward), ("pass", d.layer_pass)] {
             if s.is_some_and(|s| !(s.is_finite() && s >= 0.0)) {

@@ -44,6 +44,10 @@ pub struct Calibration {
     pub functions: Vec<(&'static str, Point)>,
     /// Attention as the executor runs it (the CPU): shape, forward and backward seconds.
     pub attention: Vec<(AttentionShape, f64, f64)>,
+    /// Per product of [`products`](Self::products) timed as the executor's layers run it
+    /// (the CPU), the layer's backward seconds (its input, weight and bias gradients);
+    /// empty where the bare products were timed.
+    pub backward: Vec<f64>,
 }
 
 /// The median of `reps` timings of `f` after `warmup` untimed runs.
@@ -222,7 +226,7 @@ fn fitted(
 ) -> Calibration {
     let mut device = fit(name, memory, launch, &products.iter().map(|p| p.1).collect::<Vec<_>>(), &adds);
     device.functions = function_rates(&functions, launch);
-    Calibration { device, products, adds, functions, attention: Vec::new() }
+    Calibration { device, products, adds, functions, attention: Vec::new(), backward: Vec::new() }
 }
 
 /// Each function's elements per second beyond the launch (0 for a name not measured).
@@ -495,8 +499,11 @@ pub fn calibrate_cpu_concurrent(memory: f64, reps: usize, threads: usize) -> Res
         // layers run them in a step (the bare products are not timed)
         let kernels = Sweep { products: &[], ..Sweep::CPU };
         let c = calibrate::<burn::backend::Flex>(&Default::default(), memory, reps, ("", launch), kernels, &meet);
-        let products =
-            layer_products::<crate::backend::CpuBackend>(&Default::default(), reps, Sweep::CPU.products, &meet)?;
+        let (products, backward): (Vec<_>, Vec<_>) =
+            layer_products::<crate::backend::CpuBackend>(&Default::default(), reps, Sweep::CPU.products, &meet)?
+                .into_iter()
+                .map(|(shape, forward, backward)| ((shape, forward), backward))
+                .unzip();
         meet();
         let mut functions = c.functions;
         functions.extend(function_gradients::<crate::backend::CpuBackend>(
@@ -511,6 +518,7 @@ pub fn calibrate_cpu_concurrent(memory: f64, reps: usize, threads: usize) -> Res
         meet();
         let data = draw_rates(reps);
         let mut c = fitted("", memory, launch, products, c.adds, functions);
+        c.backward = backward;
         c.device.optimizer = Some(optimizer);
         c.device.data = Some(data);
         c.attention = attention;
@@ -555,6 +563,7 @@ pub fn calibrate_cpu_concurrent(memory: f64, reps: usize, threads: usize) -> Res
     };
     let mut c = mean_calibration(&runs, memory, &name);
     fit_product_traffic(&mut c);
+    c.device.weight_gradient = weight_gradient(&c.products, &c.backward);
     fit_memory_traffic(&mut c);
     c.device.attention = attention_rates(&c.attention);
     Ok(c)
@@ -583,6 +592,7 @@ fn mean_calibration(runs: &[Calibration], memory: f64, name: &str) -> Calibratio
         })
         .collect();
     let mut c = fitted(name, memory, launch, products, adds, functions);
+    c.backward = (0..first.backward.len()).map(|i| mean(&|c| c.backward[i])).collect();
     c.attention = (0..first.attention.len())
         .map(|i| (first.attention[i].0, mean(&|c| c.attention[i].1), mean(&|c| c.attention[i].2)))
         .collect();
@@ -655,8 +665,10 @@ pub fn cpu_name() -> String {
 }
 
 /// What the calibration measures and fits, revised when either changes (2: the element-wise
-/// kernels' bytes beyond the cache, [`fit_memory_traffic`], and the synthetic data's draws).
-const MEASURES: u32 = 2;
+/// kernels' bytes beyond the cache, [`fit_memory_traffic`], and the synthetic data's draws;
+/// 3: the products fitted to the layers' forwards, their weight gradients apart,
+/// [`weight_gradient`]).
+const MEASURES: u32 = 3;
 
 /// The file under `dir` that keeps the calibration of `workers` workers on the CPU `cpu`
 /// (`pipec run`'s cache of this machine): named by FNV-1a of the CPU's name, the worker count,

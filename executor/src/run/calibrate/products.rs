@@ -27,7 +27,8 @@ pub fn product_bytes((m, k, n): (usize, usize, usize)) -> f64 {
 /// backward with the weight gradients added into the step's sums, [`PER_VERSION`]
 /// microbatches per weight version (timed as `pipec profile` times a model; the updates
 /// between versions, which on the CPU remake the weights' transposed copies, untimed). A
-/// point is one product's FLOPs and a third of a layer's pass. The CPU's device file fits
+/// point is one product's FLOPs and a layer's forward, beside the layer's backward seconds
+/// (its input, weight and bias gradients: [`weight_gradient`]). The CPU's device file fits
 /// its matrix rate and the products' bandwidth to these: a layer's products cost what the
 /// executor's layer costs in a step — its autodiff, bias, allocations and the traffic of
 /// weights that do not stay in cache included — not what the bare kernel does.
@@ -36,7 +37,7 @@ pub fn layer_products<B: crate::backend::kernels::ExecBackend>(
     reps: usize,
     shapes: &[(usize, usize, usize)],
     at_point: &(dyn Fn() + Sync),
-) -> Result<Vec<(Shape, Point)>, String> {
+) -> Result<Vec<(Shape, Point, f64)>, String> {
     use pipec_plan::model::Op;
     // a learning rate of zero: the updates do their work and keep the weights
     let sgd = pipec_plan::plan::OptimizerPlan::Sgd { lr: 0.0, momentum: 0.0, weight_decay: 0.0 };
@@ -64,8 +65,8 @@ pub fn layer_products<B: crate::backend::kernels::ExecBackend>(
                 input,
             )
             .map_err(|e| format!("timing {m}·{k}·{n} layers: {e}"))?;
-            let seconds = (passes.forward + passes.backward) / 1e3 / (3 * STACK) as f64;
-            Ok(((m, k, n), Point { size: 2.0 * (m * k * n) as f64, seconds }))
+            let (forward, backward) = (passes.forward / 1e3 / STACK as f64, passes.backward / 1e3 / STACK as f64);
+            Ok(((m, k, n), Point { size: 2.0 * (m * k * n) as f64, seconds: forward }, backward))
         })
         .collect();
     // (time_passes drops the weights' transposed copies before and after each stack)
@@ -146,6 +147,26 @@ pub fn fit_product_traffic(c: &mut Calibration) {
             c.device.product_traffic = Some(traffic);
         }
     }
+}
+
+/// The executor's weight gradients against its forwards: per timed layer, its backward
+/// beyond the input gradient — which costs what the forward does (`gemm` runs `dy · Wᵀ` as
+/// fast as `x · W`, the weight gradient `xᵀ · dy` 1.1–1.3 times as long at a transformer
+/// block's shapes: docs/benchmarks.md) — over the forward; the median of the layers, None
+/// without a layer whose backward took longer than its forward.
+pub fn weight_gradient(forwards: &[(Shape, Point)], backwards: &[f64]) -> Option<f64> {
+    let mut ratios: Vec<f64> = forwards
+        .iter()
+        .zip(backwards)
+        .map(|((_, f), &b)| (b - f.seconds) / f.seconds)
+        .filter(|r| r.is_finite() && *r > 0.0)
+        .collect();
+    if ratios.is_empty() {
+        return None;
+    }
+    ratios.sort_by(f64::total_cmp);
+    let n = ratios.len();
+    Some(if n % 2 == 1 { ratios[n / 2] } else { 0.5 * (ratios[n / 2 - 1] + ratios[n / 2]) })
 }
 
 /// An attention's (batch, positions, heads, head features) in a calibration.

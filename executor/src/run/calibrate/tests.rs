@@ -89,10 +89,29 @@ fn a_layers_products_are_timed_through_autodiff_one_product_a_point() {
         layer_products::<crate::backend::CpuBackend>(&Default::default(), 3, &[(8, 16, 32), (16, 64, 64)], &|| {})
             .expect("linear layers run");
     assert_eq!(points.iter().map(|p| p.0).collect::<Vec<_>>(), vec![(8, 16, 32), (16, 64, 64)]);
-    for ((m, k, n), p) in points {
+    for ((m, k, n), p, backward) in points {
         assert_eq!(p.size, 2.0 * (m * k * n) as f64);
         assert!(p.seconds > 0.0 && p.seconds.is_finite(), "{p:?}");
+        assert!(backward > 0.0 && backward.is_finite(), "{backward}");
     }
+}
+
+#[test]
+fn a_weight_gradient_is_the_median_layers_backward_beyond_its_input_gradient() {
+    let point = |seconds: f64| ((8, 8, 8), Point { size: 1024.0, seconds });
+    // backwards of 2.2, 2.5 and 3.0 times the forward: weight gradients of 1.2, 1.5, 2.0
+    let forwards = [point(1e-3), point(2e-3), point(4e-3)];
+    let w = weight_gradient(&forwards, &[2.2e-3, 5e-3, 12e-3]).expect("three layers");
+    assert!((w - 1.5).abs() < 1e-12, "{w}");
+    // priced so, a weight gradient of a product the forward prices at 1 ms takes 1.5 ms
+    let device = pipec_plan::device::DeviceModel::uniform("cpu", 1e9, 1024.0 / 1e-3);
+    let priced = pipec_plan::device::DeviceModel { weight_gradient: Some(w), ..device.clone() };
+    let t = priced.weight_gradient_time(1024.0, 0.0, pipec_plan::Precision::Fp32);
+    assert!((t - 1.5e-3).abs() < 1e-12, "{t}");
+    assert_eq!(device.weight_gradient_time(1024.0, 0.0, pipec_plan::Precision::Fp32), 1e-3, "none measured");
+    // a backward no longer than its forward says nothing; none: no figure
+    assert_eq!(weight_gradient(&forwards[..1], &[0.9e-3]), None);
+    assert_eq!(weight_gradient(&[], &[]), None);
 }
 
 #[test]
