@@ -79,7 +79,11 @@ pub fn run(out: PathBuf, backend: Backend, memory: &str, reps: usize, concurrent
     }
     if let Some(w) = d.weight_gradient {
         eprintln!(
-            "a weight gradient (with its bias's) at {w:.3} times its layer's forward (the median of the layers above)"
+            "weight gradients (with their biases') fitted as products of their own: {:.2} GFLOP/s (half of it at {:.3e} FLOPs), operands beyond {:.0} KiB at {:.2} GB/s",
+            w.rate / 1e9,
+            w.half,
+            w.traffic.cached / 1024.0,
+            w.traffic.bandwidth / 1e9
         );
     }
     eprintln!("{:>22} {:>14} {:>12} {:>12}", "element-wise add", "bytes", "measured", "fitted");

@@ -188,15 +188,15 @@ pub struct DeviceModel {
     /// forward's; None: twice [`layer_pass`](Self::layer_pass).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub layer_pass_backward: Option<f64>,
-    /// The executor's weight gradients (a linear layer's, its bias's with it), where
-    /// `pipec calibrate` timed them apart from the forwards (the CPU): their seconds over a
-    /// forward product's of their size ([`weight_gradient_time`](Self::weight_gradient_time)).
-    /// The `gemm` kernel reads a weight gradient's left operand, the layer's input,
-    /// transposed, and adds into the step's sum: 1.1–1.3 times a forward at a transformer
-    /// block's shapes on a 2-core Xeon (docs/benchmarks.md). None (the presets): a weight
-    /// gradient is priced as any product of its size.
+    /// The executor's weight gradients (a linear layer's, its bias's with it) as products
+    /// of their own, where `pipec calibrate` timed them apart from the forwards (the CPU):
+    /// the `gemm` kernel reads a weight gradient's left operand, the layer's input,
+    /// transposed, and adds into the step's sum, 0.8–1.9 times a forward of the same size
+    /// by shape on a 2-core Xeon (docs/benchmarks.md). None (the presets): a weight gradient
+    /// is priced as any product of its size
+    /// ([`weight_gradient_time`](Self::weight_gradient_time)).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub weight_gradient: Option<f64>,
+    pub weight_gradient: Option<ProductFit>,
     /// pipec's executor drawing synthetic data as training runs, as `pipec calibrate`
     /// measured it (the CPU); None on the presets, whose data loading is not priced.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -286,6 +286,33 @@ impl Traffic {
     }
 }
 
+/// A kind of product fitted on its own (`pipec calibrate`'s weight gradients on the CPU): of
+/// `flops` moving `bytes`, the launch plus the 2-norm of its compute, (flops + `half`) /
+/// `rate`, and its operands' `traffic` beyond the cache — the form the device's own
+/// products take with [`DeviceModel::product_traffic`].
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProductFit {
+    /// fp32 FLOP/s.
+    pub rate: f64,
+    /// FLOPs at which the rate is half reached.
+    pub half: f64,
+    pub traffic: Traffic,
+}
+
+impl ProductFit {
+    /// Seconds beyond the launch of a product of `flops` moving `bytes` at `speed` times
+    /// the fitted rate.
+    pub fn seconds(&self, flops: f64, bytes: f64, speed: f64) -> f64 {
+        let compute = (flops + self.half) / (self.rate * speed);
+        compute.hypot((bytes - self.traffic.cached).max(0.0) / self.traffic.bandwidth)
+    }
+
+    fn is_valid(&self) -> bool {
+        self.rate.is_finite() && self.rate > 0.0 && self.half.is_finite() && self.half >= 0.0 && self.traffic.is_valid()
+    }
+}
+
 /// Measured optimizer updates, per optimizer (AdamW priced as Adam).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -350,11 +377,19 @@ impl DeviceModel {
         (forward, self.layer_pass_backward.unwrap_or(2.0 * forward))
     }
 
-    /// Seconds of a weight gradient's product of `flops` moving `bytes`: where the device
-    /// measured the executor's ([`weight_gradient`](Self::weight_gradient)), that many times
-    /// a forward product's; elsewhere [`matrix_time`](Self::matrix_time).
+    /// Seconds of a weight gradient's product of `flops` moving `bytes` in `precision`: where
+    /// the device measured the executor's ([`weight_gradient`](Self::weight_gradient)), as
+    /// that fit prices it (at the precision's rate against fp32's); elsewhere
+    /// [`matrix_time`](Self::matrix_time).
     pub fn weight_gradient_time(&self, flops: f64, bytes: f64, precision: Precision) -> f64 {
-        self.weight_gradient.unwrap_or(1.0) * self.matrix_time(flops, bytes, precision)
+        match self.weight_gradient {
+            Some(w) if flops > 0.0 || bytes > 0.0 => {
+                self.launch
+                    + w.seconds(flops, bytes, self.matrix.of(precision) / self.matrix.fp32.max(f64::MIN_POSITIVE))
+            }
+            Some(_) => 0.0,
+            None => self.matrix_time(flops, bytes, precision),
+        }
     }
 
     /// The executor's own work on this machine `speed` times as fast as `pipec calibrate`
@@ -382,13 +417,15 @@ impl DeviceModel {
             power: _,
             layer_pass,
             layer_pass_backward,
-            // a ratio of two of the executor's times: the same at any speed
-            weight_gradient: _,
+            weight_gradient,
             data,
         } = self;
         let Functions { exp, gelu, gelu_tanh, silu, tanh, gelu_grad, gelu_tanh_grad, silu_grad, tanh_grad } = functions;
         let mut rates = vec![vector, exp, gelu, gelu_tanh, silu, tanh, gelu_grad, gelu_tanh_grad, silu_grad, tanh_grad];
         rates.extend([product_traffic, memory_traffic].into_iter().flatten().map(|t| &mut t.bandwidth));
+        if let Some(ProductFit { rate, half: _, traffic }) = weight_gradient {
+            rates.extend([rate, &mut traffic.bandwidth]);
+        }
         for rate in rates {
             *rate *= speed;
         }
@@ -499,9 +536,9 @@ impl DeviceModel {
         if let Some(r) = d.data.filter(|r| !r.is_valid()) {
             return Err(format!("the synthetic data's draw needs finite seconds of 0 or more per value, found {r:?}"));
         }
-        if let Some(w) = d.weight_gradient.filter(|w| !(w.is_finite() && *w > 0.0)) {
+        if let Some(w) = d.weight_gradient.filter(|w| !w.is_valid()) {
             return Err(format!(
-                "the weight gradient's time against the forward's must be finite and positive, found {w}"
+                "the weight gradients' fit needs a positive rate and bandwidth and a half and cached bytes of 0 or more, found {w:?}"
             ));
         }
         for (what, s) in [("backward", d.layer_pass_backward), ("pass", d.layer_pass)] {

@@ -563,7 +563,7 @@ pub fn calibrate_cpu_concurrent(memory: f64, reps: usize, threads: usize) -> Res
     };
     let mut c = mean_calibration(&runs, memory, &name);
     fit_product_traffic(&mut c);
-    c.device.weight_gradient = weight_gradient(&c.products, &c.backward);
+    c.device.weight_gradient = weight_gradient(&c.products, &c.backward, c.device.launch);
     fit_memory_traffic(&mut c);
     c.device.attention = attention_rates(&c.attention);
     Ok(c)

@@ -4,7 +4,7 @@
 use std::time::Instant;
 
 use burn::tensor::{Distribution, Tensor};
-use pipec_plan::device::{AttentionFit, AttentionRates, Curve, Traffic};
+use pipec_plan::device::{AttentionFit, AttentionRates, Curve, ProductFit, Traffic};
 
 use super::*;
 
@@ -149,24 +149,27 @@ pub fn fit_product_traffic(c: &mut Calibration) {
     }
 }
 
-/// The executor's weight gradients against its forwards: per timed layer, its backward
-/// beyond the input gradient — which costs what the forward does (`gemm` runs `dy · Wᵀ` as
-/// fast as `x · W`, the weight gradient `xᵀ · dy` 1.1–1.3 times as long at a transformer
-/// block's shapes: docs/benchmarks.md) — over the forward; the median of the layers, None
-/// without a layer whose backward took longer than its forward.
-pub fn weight_gradient(forwards: &[(Shape, Point)], backwards: &[f64]) -> Option<f64> {
-    let mut ratios: Vec<f64> = forwards
+/// The launches a weight gradient must take to be fitted ([`weight_gradient`]).
+const WEIGHT_GRADIENT_LAUNCHES: f64 = 10.0;
+
+/// The executor's weight gradients fitted as products of their own
+/// ([`fit_products_with_traffic`]): per timed layer, its backward beyond the input
+/// gradient, which costs what the forward does (`gemm` runs `dy · Wᵀ` as fast as `x · W`;
+/// docs/benchmarks.md), a point of the product's FLOPs and operand bytes. A layer whose
+/// backward outlasts its forward by less than [`WEIGHT_GRADIENT_LAUNCHES`] launches is left
+/// out: that difference of two timings is their noise, and a fit in relative error would
+/// follow it (one 8·64·64 layer's 0.3 µs, under a launch, once made the fit drop the
+/// compute and price the largest layers' weight gradients at half their time). None with
+/// fewer than two layers left.
+pub fn weight_gradient(forwards: &[(Shape, Point)], backwards: &[f64], launch: f64) -> Option<ProductFit> {
+    let points: Vec<(f64, f64, f64)> = forwards
         .iter()
         .zip(backwards)
-        .map(|((_, f), &b)| (b - f.seconds) / f.seconds)
-        .filter(|r| r.is_finite() && *r > 0.0)
+        .map(|(&(shape, f), &b)| (f.size, product_bytes(shape), b - f.seconds))
+        .filter(|&(_, _, t)| t.is_finite() && t > (WEIGHT_GRADIENT_LAUNCHES * launch).max(0.0))
         .collect();
-    if ratios.is_empty() {
-        return None;
-    }
-    ratios.sort_by(f64::total_cmp);
-    let n = ratios.len();
-    Some(if n % 2 == 1 { ratios[n / 2] } else { 0.5 * (ratios[n / 2 - 1] + ratios[n / 2]) })
+    let (rate, half, traffic, _) = fit_products_with_traffic(&points, launch)?;
+    Some(ProductFit { rate, half, traffic })
 }
 
 /// An attention's (batch, positions, heads, head features) in a calibration.

@@ -1,5 +1,5 @@
 use super::*;
-use pipec_plan::device::{AttentionFit, Traffic};
+use pipec_plan::device::{AttentionFit, ProductFit, Traffic};
 
 #[test]
 fn the_products_fit_finds_the_traffic_the_points_were_made_with() {
@@ -97,21 +97,35 @@ fn a_layers_products_are_timed_through_autodiff_one_product_a_point() {
 }
 
 #[test]
-fn a_weight_gradient_is_the_median_layers_backward_beyond_its_input_gradient() {
-    let point = |seconds: f64| ((8, 8, 8), Point { size: 1024.0, seconds });
-    // backwards of 2.2, 2.5 and 3.0 times the forward: weight gradients of 1.2, 1.5, 2.0
-    let forwards = [point(1e-3), point(2e-3), point(4e-3)];
-    let w = weight_gradient(&forwards, &[2.2e-3, 5e-3, 12e-3]).expect("three layers");
-    assert!((w - 1.5).abs() < 1e-12, "{w}");
-    // priced so, a weight gradient of a product the forward prices at 1 ms takes 1.5 ms
-    let device = pipec_plan::device::DeviceModel::uniform("cpu", 1e9, 1024.0 / 1e-3);
-    let priced = pipec_plan::device::DeviceModel { weight_gradient: Some(w), ..device.clone() };
-    let t = priced.weight_gradient_time(1024.0, 0.0, pipec_plan::Precision::Fp32);
-    assert!((t - 1.5e-3).abs() < 1e-12, "{t}");
-    assert_eq!(device.weight_gradient_time(1024.0, 0.0, pipec_plan::Precision::Fp32), 1e-3, "none measured");
-    // a backward no longer than its forward says nothing; none: no figure
-    assert_eq!(weight_gradient(&forwards[..1], &[0.9e-3]), None);
-    assert_eq!(weight_gradient(&[], &[]), None);
+fn the_weight_gradients_are_fitted_as_products_of_their_own_from_the_backward_beyond_the_forward() {
+    // weight gradients of 1e11 FLOP/s reaching half of it at 1e6 FLOPs, operands beyond 1
+    // MiB at 1e10 B/s, a launch of 0.3 µs, on the sweep's shapes, behind forwards of 0.1 ms
+    let truth = ProductFit { rate: 1e11, half: 1e6, traffic: Traffic { bandwidth: 1e10, cached: 1048576.0 } };
+    let launch = 3e-7;
+    let shapes = Sweep::CPU.products;
+    let forwards: Vec<(Shape, Point)> =
+        shapes.iter().map(|&s| (s, Point { size: 2.0 * (s.0 * s.1 * s.2) as f64, seconds: 1e-4 })).collect();
+    let backwards: Vec<f64> =
+        forwards.iter().map(|&(s, f)| f.seconds + launch + truth.seconds(f.size, product_bytes(s), 1.0)).collect();
+    let fit = weight_gradient(&forwards, &backwards, launch).expect("fits");
+    assert!(
+        (fit.rate / truth.rate - 1.0).abs() < 1e-3 && fit.half == truth.half && fit.traffic == truth.traffic,
+        "{fit:?}"
+    );
+    // a device with the fit prices a weight gradient by it, one without as a product
+    let mut device = DeviceModel::uniform("cpu", 1e9, 2e11);
+    device.launch = launch;
+    let (flops, bytes) = (2.0 * 64.0 * 512.0 * 512.0, product_bytes((64, 512, 512)));
+    assert_eq!(
+        device.weight_gradient_time(flops, bytes, pipec_plan::Precision::Fp32),
+        device.matrix_time(flops, bytes, pipec_plan::Precision::Fp32)
+    );
+    device.weight_gradient = Some(fit);
+    let t = device.weight_gradient_time(flops, bytes, pipec_plan::Precision::Fp32);
+    assert!((t / (launch + truth.seconds(flops, bytes, 1.0)) - 1.0).abs() < 1e-3, "{t}");
+    // a backward no longer than its forward says nothing: fewer than two points, no fit
+    let short: Vec<f64> = forwards.iter().map(|(_, f)| f.seconds * 0.9).collect();
+    assert_eq!(weight_gradient(&forwards, &short, launch), None);
 }
 
 #[test]
