@@ -54,16 +54,22 @@ rounds() {
     done
 }
 
-report() {
-    python3 - "$1" <<'PY'
+# the rounds' lines of a file (one spec's runs each: measured, predicted seconds, log): with
+# one argument the table of each spec's median measured step against its prediction, with
+# a spec's name too the log of that spec's median run
+cat >"$dir/steps.py" <<'PY'
 import re, statistics, sys
 unit = {"s": 1.0, "ms": 1e-3, "µs": 1e-6, "us": 1e-6, "ns": 1e-9}
 runs = {}
 for line in open(sys.argv[1], encoding="utf-8"):
-    m = re.match(r"(\S+) \S+ step time: measured ([\d.]+) (\S+) .*predicted ([\d.]+) (\S+?);", line)
+    m = re.match(r"(\S+) (\S+) step time: measured ([\d.]+) (\S+) .*predicted ([\d.]+) (\S+?);", line)
     if m:
-        name, a, ua, b, ub = m.groups()
-        runs.setdefault(name, []).append((float(a) * unit[ua], float(b) * unit[ub]))
+        name, log, a, ua, b, ub = m.groups()
+        runs.setdefault(name, []).append((float(a) * unit[ua], float(b) * unit[ub], log))
+if len(sys.argv) > 2:
+    rs = sorted(runs.get(sys.argv[2], []))
+    print(rs[(len(rs) - 1) // 2][2] if rs else "")
+    sys.exit()
 print(f"{'spec':10} {'predicted':>12} {'measured (median)':>18} {'measured / predicted':>21}   runs")
 for name, rs in runs.items():
     measured = statistics.median(r[0] for r in rs)
@@ -75,6 +81,8 @@ if "tp1" in runs and "tp2" in runs:
     measured, predicted = med("tp2") / med("tp1"), runs["tp2"][0][1] / runs["tp1"][0][1]
     print(f"tp 2 / tp 1: measured {measured:.3f}, predicted {predicted:.3f} ({abs(measured / predicted - 1) * 100:.1f}% off)")
 PY
+report() {
+    python3 "$dir/steps.py" "$1"
 }
 
 rounds "" $all >"$dir/steps.txt"
@@ -83,18 +91,7 @@ report "$dir/steps.txt"
 
 # pipec's executor fitted to MEASURED's median run of the rounds (its metrics.jsonl), the
 # others' medians of the same rounds against the predictions with the file it writes
-log=$(python3 - "$dir/steps.txt" "$measured_on" <<'PY'
-import re, sys
-unit = {"s": 1.0, "ms": 1e-3, "µs": 1e-6, "us": 1e-6, "ns": 1e-9}
-runs = []
-for line in open(sys.argv[1], encoding="utf-8"):
-    m = re.match(r"(\S+) (\S+) step time: measured ([\d.]+) (\S+)", line)
-    if m and m.group(1) == sys.argv[2]:
-        runs.append((float(m.group(3)) * unit[m.group(4)], m.group(2)))
-runs.sort()
-print(runs[(len(runs) - 1) // 2][1] if runs else "")
-PY
-)
+log=$(python3 "$dir/steps.py" "$dir/steps.txt" "$measured_on")
 if [ -z "$log" ]; then
     echo "no run of $measured_on to calibrate on"
     exit 1

@@ -286,10 +286,12 @@ impl Traffic {
     }
 }
 
-/// A kind of product fitted on its own (`pipec calibrate`'s weight gradients on the CPU): of
-/// `flops` moving `bytes`, the launch plus the 2-norm of its compute, (flops + `half`) /
-/// `rate`, and its operands' `traffic` beyond the cache — the form the device's own
-/// products take with [`DeviceModel::product_traffic`].
+/// A product as `pipec calibrate` measures the executor's on the CPU: of `flops` moving
+/// `bytes`, the launch plus the 2-norm of its compute, at `rate` on an efficiency curve that
+/// reaches half of it at `half` FLOPs, and its operands' `traffic` beyond the cache. The
+/// device's own products take this form where it has [`DeviceModel::product_traffic`], its
+/// weight gradients where it has [`DeviceModel::weight_gradient`], and `pipec calibrate`
+/// fits both by it.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ProductFit {
@@ -301,10 +303,10 @@ pub struct ProductFit {
 }
 
 impl ProductFit {
-    /// Seconds beyond the launch of a product of `flops` moving `bytes` at `speed` times
-    /// the fitted rate.
+    /// Seconds beyond the launch of a product of `flops` moving `bytes`, its curve's peak at
+    /// `speed` times the rate.
     pub fn seconds(&self, flops: f64, bytes: f64, speed: f64) -> f64 {
-        let compute = (flops + self.half) / (self.rate * speed);
+        let compute = flops / (self.rate * Curve { peak: speed, half: self.half }.at(flops));
         compute.hypot((bytes - self.traffic.cached).max(0.0) / self.traffic.bandwidth)
     }
 
@@ -605,10 +607,12 @@ impl DeviceModel {
         if flops <= 0.0 && bytes <= 0.0 {
             return 0.0;
         }
-        let compute = flops / (rate * self.matrix_efficiency.at(flops));
         match self.product_traffic {
-            Some(t) => self.launch + compute.hypot((bytes - t.cached).max(0.0) / t.bandwidth),
-            None => self.launch + compute.max(self.memory_time(bytes)),
+            Some(traffic) => {
+                let product = ProductFit { rate, half: self.matrix_efficiency.half, traffic };
+                self.launch + product.seconds(flops, bytes, self.matrix_efficiency.peak)
+            }
+            None => self.launch + (flops / (rate * self.matrix_efficiency.at(flops))).max(self.memory_time(bytes)),
         }
     }
 

@@ -73,27 +73,23 @@ pub fn layer_products<B: crate::backend::kernels::ExecBackend>(
     points
 }
 
-/// The products' model (matrix rate, its curve's `half`, [`Traffic`]) closest to
+/// The products' model ([`ProductFit`]: a rate, its curve's half, [`Traffic`]) closest to
 /// `points` (FLOPs, operand bytes, seconds) in relative error, with its summed squared
 /// relative error: a grid over the cached bytes (none, or 32 KiB to 32 MiB in √2 steps),
 /// the halves (none, or 10²–10¹⁰ FLOPs in quarter decades) and the bandwidths (1 GB/s to
 /// 1 TB/s in 12% steps), the rate for each found by golden-section search (10⁸–10¹⁴ FLOP/s).
-pub fn fit_products_with_traffic(points: &[(f64, f64, f64)], launch: f64) -> Option<(f64, f64, Traffic, f64)> {
+pub fn fit_products_with_traffic(points: &[(f64, f64, f64)], launch: f64) -> Option<(ProductFit, f64)> {
     if points.len() < 2 || points.iter().any(|&(f, b, t)| !(f > 0.0 && b >= 0.0 && t > 0.0 && t.is_finite())) {
         return None;
     }
-    let error = |rate: f64, half: f64, t: Traffic| {
+    let error = |product: ProductFit| {
         points
             .iter()
-            .map(|&(flops, bytes, seconds)| {
-                let compute = (flops + half) / rate;
-                let traffic = (bytes - t.cached).max(0.0) / t.bandwidth;
-                ((launch + compute.hypot(traffic) - seconds) / seconds).powi(2)
-            })
+            .map(|&(flops, bytes, seconds)| ((launch + product.seconds(flops, bytes, 1.0) - seconds) / seconds).powi(2))
             .sum::<f64>()
     };
     let cached = std::iter::once(0.0).chain((0..=20).map(|i| 32768.0 * 2f64.powf(i as f64 / 2.0)));
-    let mut best: Option<(f64, f64, Traffic, f64)> = None;
+    let mut best: Option<(ProductFit, f64)> = None;
     for cached in cached {
         let halves = std::iter::once(0.0).chain((0..=32).map(|i| 1e2 * 10f64.powf(i as f64 / 4.0)));
         for half in halves {
@@ -101,7 +97,7 @@ pub fn fit_products_with_traffic(points: &[(f64, f64, f64)], launch: f64) -> Opt
                 let traffic = Traffic { bandwidth: 1e9 * 10f64.powf(b as f64 / 20.0), cached };
                 // golden-section search of log10(rate)
                 let g = (5f64.sqrt() - 1.0) / 2.0;
-                let at = |x: f64| error(10f64.powf(x), half, traffic);
+                let at = |x: f64| error(ProductFit { rate: 10f64.powf(x), half, traffic });
                 let (mut lo, mut hi) = (8.0, 14.0);
                 let (mut x1, mut x2) = (hi - g * (hi - lo), lo + g * (hi - lo));
                 let (mut e1, mut e2) = (at(x1), at(x2));
@@ -117,8 +113,8 @@ pub fn fit_products_with_traffic(points: &[(f64, f64, f64)], launch: f64) -> Opt
                     }
                 }
                 let (x, e) = if e1 < e2 { (x1, e1) } else { (x2, e2) };
-                if best.is_none_or(|b| e < b.3) {
-                    best = Some((10f64.powf(x), half, traffic, e));
+                if best.is_none_or(|b| e < b.1) {
+                    best = Some((ProductFit { rate: 10f64.powf(x), half, traffic }, e));
                 }
             }
         }
@@ -140,11 +136,11 @@ pub fn fit_product_traffic(c: &mut Calibration) {
             ((t - p.seconds) / p.seconds.max(1e-12)).powi(2)
         })
         .sum::<f64>();
-    if let Some((rate, half, traffic, e)) = fit_products_with_traffic(&points, c.device.launch) {
+    if let Some((fit, e)) = fit_products_with_traffic(&points, c.device.launch) {
         if e < roofline {
-            c.device.matrix.fp32 = rate;
-            c.device.matrix_efficiency = Curve { peak: 1.0, half };
-            c.device.product_traffic = Some(traffic);
+            c.device.matrix.fp32 = fit.rate;
+            c.device.matrix_efficiency = Curve { peak: 1.0, half: fit.half };
+            c.device.product_traffic = Some(fit.traffic);
         }
     }
 }
@@ -168,8 +164,7 @@ pub fn weight_gradient(forwards: &[(Shape, Point)], backwards: &[f64], launch: f
         .map(|(&(shape, f), &b)| (f.size, product_bytes(shape), b - f.seconds))
         .filter(|&(_, _, t)| t.is_finite() && t > (WEIGHT_GRADIENT_LAUNCHES * launch).max(0.0))
         .collect();
-    let (rate, half, traffic, _) = fit_products_with_traffic(&points, launch)?;
-    Some(ProductFit { rate, half, traffic })
+    fit_products_with_traffic(&points, launch).map(|(fit, _)| fit)
 }
 
 /// An attention's (batch, positions, heads, head features) in a calibration.

@@ -16,7 +16,7 @@ fn the_products_fit_finds_the_traffic_the_points_were_made_with() {
             (f, b, d.matrix_time(f, b, pipec_plan::Precision::Fp32))
         })
         .collect();
-    let (r, h, t, e) = fit_products_with_traffic(&points, launch).expect("fits");
+    let (ProductFit { rate: r, half: h, traffic: t }, e) = fit_products_with_traffic(&points, launch).expect("fits");
     assert!((r / rate - 1.0).abs() < 1e-3 && h == half && t == traffic && e < 1e-6, "{r} {h} {t:?} {e}");
     // points a product's compute alone explains: the roofline the first fit made fits
     // them exactly, and the refit keeps a model as close
