@@ -173,6 +173,21 @@ impl<I: Kernels, C: CheckpointStrategy> Kernels for Autodiff<I, C> {
         norm_backward::row_norm::<I, C>(x, gamma, beta, eps)
     }
 
+    fn gated(up: FloatTensor<Self>, gate: crate::backend::gated::Gate) -> FloatTensor<Self> {
+        fused_backward::gated::<I, C>(up, gate)
+    }
+
+    fn rotary(x: FloatTensor<Self>, r: &std::sync::Arc<crate::backend::rotary::Rotation>) -> FloatTensor<Self> {
+        fused_backward::rotary::<I, C>(x, r)
+    }
+
+    fn cross_entropy(
+        logits: FloatTensor<Self>,
+        labels: &std::sync::Arc<Vec<i64>>,
+    ) -> crate::backend::kernels::Softmaxed<Self> {
+        fused_backward::cross_entropy::<I, C>(logits, labels)
+    }
+
     fn embed(w: Tensor<Self, 2>, ids: Tensor<Self, 2, burn::tensor::Int>) -> Tensor<Self, 3> {
         let w = w.into_primitive().tensor();
         // ZeRO-3: a table gathered for this lookup only; its backward needs none of it (the
@@ -691,6 +706,7 @@ fn add_to_sum<I: Kernels>(node: NodeId, xt: FloatTensor<I>, dy: FloatTensor<I>) 
 }
 
 mod conv_backward;
+mod fused_backward;
 mod norm_backward;
 mod pool_backward;
 mod ring_backward;

@@ -8,13 +8,20 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ops::{ConvOptions, FloatTensor, FloatTensorOps, IntTensor, ModuleOps};
 use burn::tensor::{Tensor, TensorPrimitive};
 
+use std::sync::Arc;
+
+use crate::backend::gated::Gate;
 use crate::backend::pool::PoolWindow;
+use crate::backend::rotary::Rotation;
 
 /// Batch normalisation's output, mean and variance ([`Kernels::batch_norm`]).
 pub type Normalised<B> = (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>);
 
 /// A row norm's output and its rows' statistics ([`Kernels::row_norm`]).
 pub type RowNormed<B> = (FloatTensor<B>, FloatTensor<B>);
+
+/// A mean cross-entropy [1] and the softmax of its logits ([`Kernels::cross_entropy`]).
+pub type Softmaxed<B> = (FloatTensor<B>, FloatTensor<B>);
 
 /// A row norm's gradients: of the input, the gain and (a layer norm's) the bias
 /// ([`Kernels::row_norm_grads`]).
@@ -171,6 +178,44 @@ pub trait Kernels: Backend {
         beta: bool,
     ) -> RowNormGrads<Self> {
         crate::backend::row_norm::gradients::<Self>(x, gamma, stats, dy, beta)
+    }
+
+    /// A gated MLP's activation act(gate)·up of the up projection's output `up` (its last
+    /// dimension the gate's columns, then the up's): the output with half its last
+    /// dimension, by default on Burn's operations (`crate::backend::gated`).
+    fn gated(up: FloatTensor<Self>, gate: Gate) -> FloatTensor<Self> {
+        crate::backend::gated::forward::<Self>(up, gate)
+    }
+
+    /// [`Kernels::gated`]'s gradient with respect to `up` from its output's gradient `dy`
+    /// (by default on Burn's operations).
+    fn gated_grads(up: FloatTensor<Self>, dy: FloatTensor<Self>, gate: Gate) -> FloatTensor<Self> {
+        crate::backend::gated::gradients::<Self>(up, dy, gate)
+    }
+
+    /// Queries or keys `x` [.., positions, dh] turned by the rotary embeddings' table `r`,
+    /// by default on Burn's operations (`crate::backend::rotary`).
+    fn rotary(x: FloatTensor<Self>, r: &Arc<Rotation>) -> FloatTensor<Self> {
+        crate::backend::rotary::forward::<Self>(x, r)
+    }
+
+    /// [`Kernels::rotary`]'s gradient from its output's gradient `dy` (by default on Burn's
+    /// operations).
+    fn rotary_grads(dy: FloatTensor<Self>, r: &Rotation) -> FloatTensor<Self> {
+        crate::backend::rotary::gradients::<Self>(dy, r)
+    }
+
+    /// The mean cross-entropy of `logits` [n, c] with each row's class `labels`: the loss
+    /// [1] and the softmax [n, c] its gradient needs, by default on Burn's operations
+    /// (`crate::backend::cross_entropy`).
+    fn cross_entropy(logits: FloatTensor<Self>, labels: &Arc<Vec<i64>>) -> Softmaxed<Self> {
+        crate::backend::cross_entropy::forward::<Self>(logits, labels)
+    }
+
+    /// [`Kernels::cross_entropy`]'s gradient by the logits from the loss's gradient `dy`
+    /// [1], with the softmax it returned (by default on Burn's operations).
+    fn cross_entropy_grads(probs: FloatTensor<Self>, labels: &[i64], dy: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::backend::cross_entropy::gradients::<Self>(probs, labels, dy)
     }
 
     /// Max pooling of `x` [n, C, h, w] by `window`: the pooled tensor and each output's
@@ -358,6 +403,38 @@ impl Kernels for burn::backend::Flex {
             .unwrap_or_else(|| crate::backend::row_norm::gradients::<Self>(x, gamma, stats, dy, beta))
     }
 
+    fn gated(up: FloatTensor<Self>, gate: Gate) -> FloatTensor<Self> {
+        // fused (crate::backend::flex_gated), Burn's operations for what it does not take
+        crate::backend::flex_gated::forward(&up, gate)
+            .unwrap_or_else(|| crate::backend::gated::forward::<Self>(up, gate))
+    }
+
+    fn gated_grads(up: FloatTensor<Self>, dy: FloatTensor<Self>, gate: Gate) -> FloatTensor<Self> {
+        crate::backend::flex_gated::gradients(&up, &dy, gate)
+            .unwrap_or_else(|| crate::backend::gated::gradients::<Self>(up, dy, gate))
+    }
+
+    fn rotary(x: FloatTensor<Self>, r: &Arc<Rotation>) -> FloatTensor<Self> {
+        // fused (crate::backend::flex_rotary), Burn's operations for what it does not take
+        crate::backend::flex_rotary::forward(&x, r).unwrap_or_else(|| crate::backend::rotary::forward::<Self>(x, r))
+    }
+
+    fn rotary_grads(dy: FloatTensor<Self>, r: &Rotation) -> FloatTensor<Self> {
+        crate::backend::flex_rotary::gradients(&dy, r)
+            .unwrap_or_else(|| crate::backend::rotary::gradients::<Self>(dy, r))
+    }
+
+    fn cross_entropy(logits: FloatTensor<Self>, labels: &Arc<Vec<i64>>) -> Softmaxed<Self> {
+        // fused (crate::backend::flex_cross_entropy), Burn's operations for what it does not take
+        crate::backend::flex_cross_entropy::forward(&logits, labels)
+            .unwrap_or_else(|| crate::backend::cross_entropy::forward::<Self>(logits, labels))
+    }
+
+    fn cross_entropy_grads(probs: FloatTensor<Self>, labels: &[i64], dy: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::backend::flex_cross_entropy::gradients(&probs, labels, &dy)
+            .unwrap_or_else(|| crate::backend::cross_entropy::gradients::<Self>(probs, labels, dy))
+    }
+
     fn max_pool(x: FloatTensor<Self>, window: PoolWindow) -> Pooled<Self> {
         // one plane at a time (crate::backend::flex_pool), flex's own for what it does not take
         crate::backend::flex_pool::forward(&x, window).unwrap_or_else(|| burn_max_pool::<Self>(x, window))
@@ -455,6 +532,23 @@ pub(crate) fn row_norm<B: Kernels, const D: usize>(
     let p = |t: Tensor<B, 1>| t.into_primitive().tensor();
     let (y, _) = B::row_norm(x.into_primitive().tensor(), p(gamma), beta.map(p), eps);
     Tensor::from_primitive(TensorPrimitive::Float(y))
+}
+
+/// [`Kernels::gated`] on tensors.
+pub(crate) fn gated<B: Kernels, const D: usize>(up: Tensor<B, D>, gate: Gate) -> Tensor<B, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(B::gated(up.into_primitive().tensor(), gate)))
+}
+
+/// [`Kernels::cross_entropy`] on tensors: the mean loss of `logits` [n, c] with each row's
+/// class.
+pub(crate) fn cross_entropy<B: Kernels>(logits: Tensor<B, 2>, labels: Vec<i64>) -> Tensor<B, 1> {
+    let (loss, _) = B::cross_entropy(logits.into_primitive().tensor(), &Arc::new(labels));
+    Tensor::from_primitive(TensorPrimitive::Float(loss))
+}
+
+/// [`Kernels::rotary`] on tensors.
+pub(crate) fn rotary<B: Kernels, const D: usize>(x: Tensor<B, D>, r: &Arc<Rotation>) -> Tensor<B, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(B::rotary(x.into_primitive().tensor(), r)))
 }
 
 /// Max pooling through [`Kernels::max_pool`] ([n, C, h, w] by `window`).

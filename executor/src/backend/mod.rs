@@ -4,15 +4,20 @@
 
 pub mod amp;
 pub mod attention;
+pub mod cross_entropy;
 pub mod dense;
 pub mod dropout;
 pub(crate) mod flex_conv;
+pub(crate) mod flex_cross_entropy;
+pub(crate) mod flex_gated;
 pub(crate) mod flex_gemm;
 pub(crate) mod flex_norm;
 pub(crate) mod flex_pool;
+pub(crate) mod flex_rotary;
 pub(crate) mod flex_row_norm;
 pub(crate) mod flex_softmax;
 pub(crate) mod flex_weights;
+pub mod gated;
 pub mod kernels;
 pub mod norm;
 pub mod pool;
@@ -20,6 +25,7 @@ pub mod port;
 pub mod resident;
 pub mod ring;
 pub mod rng;
+pub mod rotary;
 pub mod row_norm;
 
 /// The CPU backend with autodiff.

@@ -3,7 +3,6 @@
 //! in `run_forward` and `run_backward` (see `tensor_parallel`).
 
 use burn::prelude::*;
-use burn::tensor::activation;
 use burn::tensor::ElementConversion;
 use pipec_plan::model::Loss;
 use pipec_plan::{MicrobatchId, StageId};
@@ -533,9 +532,10 @@ pub(crate) fn loss_of<B: ExecBackend>(loss: Loss, out: Act<B>, y: &Targets, dev:
     let [n, c] = logits.dims();
     match (loss, y) {
         (Loss::CrossEntropy, Targets::Classes(classes)) => {
-            let labels = Tensor::<B, 2, Int>::from_data(TensorData::new(classes.clone(), [n, 1]), dev);
-            let logp = activation::log_softmax(logits, 1);
-            Ok(logp.gather(1, labels).mean().neg())
+            if classes.len() != n {
+                return Err(ExecError::Data(format!("{} classes for {n} rows of logits", classes.len())));
+            }
+            Ok(crate::backend::kernels::cross_entropy(logits, classes.clone()))
         }
         (Loss::Mse, Targets::Values(values)) => {
             let target = Tensor::<B, 2>::from_data(TensorData::new(values.clone(), [n, c]), dev);

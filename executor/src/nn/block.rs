@@ -14,8 +14,9 @@ use pipec_plan::model::{
 
 use crate::backend::attention::{repeat_heads, Causal, MaskPositions};
 use crate::backend::dropout::{AttentionDropout, DropMask, Site};
-use crate::backend::kernels::attention_weights;
-use crate::backend::kernels::Kernels;
+use crate::backend::gated::Gate;
+use crate::backend::kernels::{self, attention_weights, Kernels};
+use crate::backend::rotary::Rotation;
 use crate::error::{ExecError, Result};
 
 use crate::nn::latent::Latent;
@@ -137,46 +138,6 @@ pub(crate) fn gelu_tanh<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B
     x * (inner.tanh() + 1.0) * 0.5
 }
 
-/// Rotary position embeddings (RoFormer; Hugging Face's `rotate_half` layout) on
-/// [batch, heads, seq, dh] queries or keys whose rows are at `positions` of a sequence of
-/// `seq` positions (0, 1, … but for a context-parallel member): features i and i + dh/2 of
-/// position p rotate by p·f_i, f_i the scaling's inverse frequencies
-/// ([`pipec_plan::rope::RopeScaling::inv_freq`]: θ^(−2i/dh) unscaled), the cosines and sines
-/// times its attention factor (YaRN's).
-pub(crate) fn rotary_at<B: Backend>(
-    x: Tensor<B, 4>,
-    theta: f64,
-    scaling: &pipec_plan::rope::RopeScaling,
-    positions: &[usize],
-    seq: usize,
-) -> Tensor<B, 4> {
-    let [b, h, s, dh] = x.dims();
-    let half = dh / 2;
-    let inv_freq = scaling.inv_freq(theta, dh, seq);
-    let scale = scaling.attention_factor();
-    let (mut cos, mut sin) = (Vec::with_capacity(s * dh), Vec::with_capacity(s * dh));
-    for &p in positions {
-        for j in 0..dh {
-            // the angle in f32, as the reference computes it from its f32 inv_freq
-            let angle = f64::from(p as f32 * inv_freq[j % half]);
-            cos.push((angle.cos() * scale) as f32);
-            sin.push((angle.sin() * scale) as f32);
-        }
-    }
-    let dev = x.device();
-    // in two dimensions: the CPU backend runs element-wise operations on 2-D views row by
-    // row and broadcasts one shared row in one pass, where a 4-D view (the heads split off
-    // and transposed) or a [s, dh] table broadcast over batch and heads takes its general
-    // strided path, several times slower (`specs/llama-tiny.yaml`)
-    let cos = Tensor::<B, 2>::from_data(TensorData::new(cos, [1, s * dh]), &dev);
-    let sin = Tensor::<B, 2>::from_data(TensorData::new(sin, [1, s * dh]), &dev);
-    let rows = x.reshape([b * h * s, dh]);
-    let first = rows.clone().narrow(1, 0, half);
-    let second = rows.clone().narrow(1, half, half);
-    let rotated = Tensor::cat(vec![second.neg(), first], 1).reshape([b * h, s * dh]);
-    (rows.reshape([b * h, s * dh]) * cos + rotated * sin).reshape([b, h, s, dh])
-}
-
 impl<B: Kernels> Block<B> {
     /// The queries, keys and values of the normalised input [batch, seq, d], side by side:
     /// [batch, seq, heads·qk_head | kv_heads·qk_head | kv_heads·v_head] (this rank's heads).
@@ -243,11 +204,12 @@ impl<B: Kernels> Block<B> {
             // the whole sequence's length: every member's positions under context parallelism
             let seq = context.map_or(s, |c| s * c.cp);
             let (plain, turned) = (dh - self.rotary, self.rotary);
+            let table = std::sync::Arc::new(Rotation::new(self.rope, &self.rope_scaling, &at, seq, turned));
             let turn = |t: Tensor<B, 4>| {
                 if plain == 0 {
-                    return rotary_at(t, self.rope, &self.rope_scaling, &at, seq);
+                    return kernels::rotary(t, &table);
                 }
-                let rotated = rotary_at(t.clone().narrow(3, plain, turned), self.rope, &self.rope_scaling, &at, seq);
+                let rotated = kernels::rotary(t.clone().narrow(3, plain, turned), &table);
                 Tensor::cat(vec![t.narrow(3, 0, plain), rotated], 3)
             };
             q = turn(q);
@@ -289,22 +251,14 @@ impl<B: Kernels> Block<B> {
         Ok(context.swap_dims(1, 2).reshape([b, s, h * vh]))
     }
 
-    /// The MLP's activation on the up projection's output (gated: act(gate) ⊙ up).
+    /// The MLP's activation on the up projection's output (gated: act(gate) ⊙ up,
+    /// [`Kernels::gated`]).
     pub(crate) fn activate(&self, up: Tensor<B, 3>) -> Tensor<B, 3> {
-        // act(gate) ⊙ up on [rows, 2·ff] and its halves' 2-D views: the CPU backend runs an
-        // element-wise operation on a 2-D view row by row, on a 3-D view through its general
-        // strided path, several times slower (`specs/llama-tiny.yaml`)
-        let gated = |up: Tensor<B, 3>, act: fn(Tensor<B, 2>) -> Tensor<B, 2>| {
-            let [b, s, w] = up.dims();
-            let f = w / 2;
-            let rows = up.reshape([b * s, w]);
-            (act(rows.clone().narrow(1, 0, f)) * rows.narrow(1, f, f)).reshape([b, s, f])
-        };
         match self.mlp {
             MlpKind::Gelu => activation::gelu(up),
             MlpKind::GeluTanh => gelu_tanh(up),
-            MlpKind::Swiglu => gated(up, activation::silu),
-            MlpKind::Geglu => gated(up, activation::gelu),
+            MlpKind::Swiglu => kernels::gated(up, Gate::Silu),
+            MlpKind::Geglu => kernels::gated(up, Gate::Gelu),
         }
     }
 

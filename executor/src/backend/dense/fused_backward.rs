@@ -1,0 +1,102 @@
+//! A gated MLP's activation, the rotary embeddings and the cross-entropy as autodiff nodes
+//! ([`Kernels::gated`], [`Kernels::rotary`], [`Kernels::cross_entropy`] on `Autodiff`): the
+//! inner backend's forward and, in the backward, its gradient ([`Kernels::gated_grads`],
+//! [`Kernels::rotary_grads`], [`Kernels::cross_entropy_grads`]).
+
+use std::sync::Arc;
+
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops};
+use burn::backend::autodiff::Autodiff;
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::ops::FloatTensor;
+
+use super::tracked;
+use crate::backend::gated::Gate;
+use crate::backend::kernels::{Kernels, Softmaxed};
+use crate::backend::rotary::Rotation;
+
+/// [`Kernels::gated`] on an autodiff backend: the up projection's output is the node's
+/// parent, and what it keeps.
+pub(super) fn gated<I: Kernels, C: CheckpointStrategy>(
+    up: FloatTensor<Autodiff<I, C>>,
+    gate: Gate,
+) -> FloatTensor<Autodiff<I, C>> {
+    let y = I::gated(up.primitive.clone(), gate);
+    tracked::<I, C, _, 1>(GatedBackward { gate }, [&up], || up.primitive.clone(), y)
+}
+
+/// The backward of [`gated`].
+#[derive(Debug)]
+struct GatedBackward {
+    gate: Gate,
+}
+
+impl<I: Kernels> Backward<I, 1> for GatedBackward {
+    type State = FloatTensor<I>;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let dy = grads.consume::<I>(&ops.node);
+        let [parent] = ops.parents;
+        if let Some(node) = parent {
+            grads.register::<I>(node.id, I::gated_grads(ops.state, dy, self.gate));
+        }
+    }
+}
+
+/// [`Kernels::rotary`] on an autodiff backend: the queries or keys are the node's parent;
+/// it keeps the table alone (the rotation is linear).
+pub(super) fn rotary<I: Kernels, C: CheckpointStrategy>(
+    x: FloatTensor<Autodiff<I, C>>,
+    r: &Arc<Rotation>,
+) -> FloatTensor<Autodiff<I, C>> {
+    let y = I::rotary(x.primitive.clone(), r);
+    tracked::<I, C, _, 1>(RotaryBackward, [&x], || r.clone(), y)
+}
+
+/// The backward of [`rotary`].
+#[derive(Debug)]
+struct RotaryBackward;
+
+impl<I: Kernels> Backward<I, 1> for RotaryBackward {
+    type State = Arc<Rotation>;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let dy = grads.consume::<I>(&ops.node);
+        let [parent] = ops.parents;
+        if let Some(node) = parent {
+            grads.register::<I>(node.id, I::rotary_grads(dy, &ops.state));
+        }
+    }
+}
+
+/// [`Kernels::cross_entropy`] on an autodiff backend: the logits are the node's parent; it
+/// keeps the softmax and the classes, and returns the softmax untracked.
+pub(super) fn cross_entropy<I: Kernels, C: CheckpointStrategy>(
+    logits: FloatTensor<Autodiff<I, C>>,
+    labels: &Arc<Vec<i64>>,
+) -> Softmaxed<Autodiff<I, C>> {
+    let (loss, probs) = I::cross_entropy(logits.primitive.clone(), labels);
+    let state = || (probs.clone(), labels.clone());
+    let loss = tracked::<I, C, _, 1>(CrossEntropyBackward, [&logits], state, loss);
+    (loss, <Autodiff<I, C> as AutodiffBackend>::from_inner(probs))
+}
+
+/// The backward of [`cross_entropy`].
+#[derive(Debug)]
+struct CrossEntropyBackward;
+
+impl<I: Kernels> Backward<I, 1> for CrossEntropyBackward {
+    type State = (FloatTensor<I>, Arc<Vec<i64>>);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let dy = grads.consume::<I>(&ops.node);
+        let [parent] = ops.parents;
+        let (probs, labels) = ops.state;
+        if let Some(node) = parent {
+            grads.register::<I>(node.id, I::cross_entropy_grads(probs, &labels, dy));
+        }
+    }
+}
