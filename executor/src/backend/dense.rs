@@ -39,8 +39,12 @@ use burn::tensor::{Shape, Tensor, TensorMetadata, TensorPrimitive};
 use std::any::Any;
 use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 
-use crate::backend::kernels::{attention_weights, forward_product, Kernels};
+use crate::backend::gated::Gate;
+use crate::backend::kernels::{attention_weights, forward_product, Kernels, Pooled, Softmaxed};
+use crate::backend::pool::PoolWindow;
+use crate::backend::rotary::Rotation;
 
 impl<I: Kernels, C: CheckpointStrategy> Kernels for Autodiff<I, C> {
     fn sum_key(weight: &FloatTensor<Self>) -> Option<NodeId> {
@@ -85,7 +89,7 @@ impl<I: Kernels, C: CheckpointStrategy> Kernels for Autodiff<I, C> {
     ) -> Tensor<Self, 4> {
         let s = scores.into_primitive().tensor();
         let p = I::attention_softmax(inner(&s.primitive), dh, mask).into_primitive().tensor();
-        wrapped(tracked::<I, C, _, 1>(SoftmaxBackward { dh }, [&s], || p.clone(), p.clone()))
+        wrapped(tracked::<I, C, _, 1>(fused_backward::SoftmaxBackward { dh }, [&s], || p.clone(), p.clone()))
     }
 
     fn dropout(x: Tensor<Self, 1>, mask: std::sync::Arc<crate::backend::dropout::DropMask>) -> Tensor<Self, 1> {
@@ -148,10 +152,7 @@ impl<I: Kernels, C: CheckpointStrategy> Kernels for Autodiff<I, C> {
         conv_backward::conv2d::<I, C>(x, weight, bias, options)
     }
 
-    fn max_pool(
-        x: FloatTensor<Self>,
-        window: crate::backend::pool::PoolWindow,
-    ) -> crate::backend::kernels::Pooled<Self> {
+    fn max_pool(x: FloatTensor<Self>, window: PoolWindow) -> Pooled<Self> {
         pool_backward::max_pool::<I, C>(x, window)
     }
 
@@ -173,18 +174,15 @@ impl<I: Kernels, C: CheckpointStrategy> Kernels for Autodiff<I, C> {
         norm_backward::row_norm::<I, C>(x, gamma, beta, eps)
     }
 
-    fn gated(up: FloatTensor<Self>, gate: crate::backend::gated::Gate) -> FloatTensor<Self> {
+    fn gated(up: FloatTensor<Self>, gate: Gate) -> FloatTensor<Self> {
         fused_backward::gated::<I, C>(up, gate)
     }
 
-    fn rotary(x: FloatTensor<Self>, r: &std::sync::Arc<crate::backend::rotary::Rotation>) -> FloatTensor<Self> {
+    fn rotary(x: FloatTensor<Self>, r: &Arc<Rotation>) -> FloatTensor<Self> {
         fused_backward::rotary::<I, C>(x, r)
     }
 
-    fn cross_entropy(
-        logits: FloatTensor<Self>,
-        labels: &std::sync::Arc<Vec<i64>>,
-    ) -> crate::backend::kernels::Softmaxed<Self> {
+    fn cross_entropy(logits: FloatTensor<Self>, labels: &Arc<Vec<i64>>) -> Softmaxed<Self> {
         fused_backward::cross_entropy::<I, C>(logits, labels)
     }
 
@@ -404,26 +402,6 @@ impl<I: Kernels> Backward<I, 4> for AttentionBackward {
         let d_out = grads.consume::<I>(&ops.node);
         let (qkv, sinks) = ops.state;
         self.register::<I>(grads, d_out, qkv, Some(sinks), ops.parents.map(|p| p.map(|n| n.id)));
-    }
-}
-
-/// The backward of [`Kernels::attention_softmax`]: the scores' gradient from the kept
-/// probabilities ([`Kernels::attention_softmax_grad`]).
-#[derive(Debug)]
-struct SoftmaxBackward {
-    dh: usize,
-}
-
-impl<I: Kernels> Backward<I, 1> for SoftmaxBackward {
-    type State = FloatTensor<I>;
-
-    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let t = |p: FloatTensor<I>| Tensor::<I, 4>::from_primitive(TensorPrimitive::Float(p));
-        let p = ops.state;
-        let dh = self.dh;
-        burn::backend::autodiff::ops::unary::<I, _>(ops.parents, ops.node, grads, |dp| {
-            I::attention_softmax_grad(t(p), t(dp), dh).into_primitive().tensor()
-        });
     }
 }
 

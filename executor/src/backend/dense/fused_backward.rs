@@ -1,7 +1,9 @@
-//! A gated MLP's activation, the rotary embeddings and the cross-entropy as autodiff nodes
-//! ([`Kernels::gated`], [`Kernels::rotary`], [`Kernels::cross_entropy`] on `Autodiff`): the
-//! inner backend's forward and, in the backward, its gradient ([`Kernels::gated_grads`],
-//! [`Kernels::rotary_grads`], [`Kernels::cross_entropy_grads`]).
+//! The fused kernels' autodiff nodes: attention's softmax, a gated MLP's activation, the
+//! rotary embeddings and the cross-entropy ([`Kernels::attention_softmax`],
+//! [`Kernels::gated`], [`Kernels::rotary`], [`Kernels::cross_entropy`] on `Autodiff`): the
+//! inner backend's forward and, in the backward, its gradient
+//! ([`Kernels::attention_softmax_grad`], [`Kernels::gated_grads`], [`Kernels::rotary_grads`],
+//! [`Kernels::cross_entropy_grads`]).
 
 use std::sync::Arc;
 
@@ -12,11 +14,32 @@ use burn::backend::autodiff::ops::{Backward, Ops};
 use burn::backend::autodiff::Autodiff;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::FloatTensor;
+use burn::tensor::{Tensor, TensorPrimitive};
 
 use super::tracked;
 use crate::backend::gated::Gate;
 use crate::backend::kernels::{Kernels, Softmaxed};
 use crate::backend::rotary::Rotation;
+
+/// The backward of [`Kernels::attention_softmax`]: the scores' gradient from the kept
+/// probabilities ([`Kernels::attention_softmax_grad`]).
+#[derive(Debug)]
+pub(super) struct SoftmaxBackward {
+    pub(super) dh: usize,
+}
+
+impl<I: Kernels> Backward<I, 1> for SoftmaxBackward {
+    type State = FloatTensor<I>;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let t = |p: FloatTensor<I>| Tensor::<I, 4>::from_primitive(TensorPrimitive::Float(p));
+        let p = ops.state;
+        let dh = self.dh;
+        burn::backend::autodiff::ops::unary::<I, _>(ops.parents, ops.node, grads, |dp| {
+            I::attention_softmax_grad(t(p), t(dp), dh).into_primitive().tensor()
+        });
+    }
+}
 
 /// [`Kernels::gated`] on an autodiff backend: the up projection's output is the node's
 /// parent, and what it keeps.
