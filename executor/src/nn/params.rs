@@ -102,6 +102,17 @@ pub(crate) fn backward_into_sums<B: crate::backend::kernels::ExecBackend>(
     grads
 }
 
+/// [`backward_into_sums`] with the keys of `model`'s parameters read now: an update makes
+/// new weights, and keys read before it reach none of them (their gradients would be made
+/// apart and added after, as no step does).
+pub(crate) fn backward_into_model_sums<B: crate::backend::kernels::ExecBackend, M: Module<B>>(
+    model: &M,
+    acc: &mut FlatGrads<B>,
+    backward: impl FnOnce() -> B::Gradients,
+) -> B::Gradients {
+    backward_into_sums::<B>(acc, &sum_keys(model), backward)
+}
+
 /// The input half of a split backward: runs `backward` with the weight gradients of the
 /// parameters keyed in `keys` put off ([`with_deferred_weight_gradients`]); Burn's
 /// gradients returned hold the rest. [`add_deferred_into_sums`] is the weight half.
@@ -440,6 +451,35 @@ mod tests {
         // with nothing installed, the backward hands every gradient to Burn's
         let all = collect_grads(&m, &mut loss(&m, xs[0].clone()).backward());
         assert!(all.iter().all(Option::is_some));
+    }
+
+    /// Keys read before an update reach none of the new weights: their gradients come
+    /// back through Burn's, made apart; read from the updated model
+    /// ([`backward_into_model_sums`], which `pipec profile` and `pipec calibrate` time a
+    /// pass with) they go into the sums.
+    #[test]
+    fn the_sums_reach_the_weights_an_update_made() {
+        let m = Two::<B> {
+            w1: Param::from_tensor(random([24, 40], 31).require_grad()),
+            bias: Param::from_tensor(random([40], 32).require_grad()),
+            w2: Param::from_tensor(random([40, 8], 33).require_grad()),
+        };
+        let stale = sum_keys(&m);
+        // an update: new weight tensors
+        let updated = Two::<B> {
+            w1: Param::from_tensor(random([24, 40], 35).require_grad()),
+            bias: Param::from_tensor(random([40], 36).require_grad()),
+            w2: Param::from_tensor(random([40, 8], 37).require_grad()),
+        };
+        let x = random([16, 24], 34);
+        let mut acc: FlatGrads<B> = Vec::new();
+        let mut grads = backward_into_sums::<B>(&mut acc, &stale, || loss(&updated, x.clone()).backward());
+        let rest = collect_grads(&updated, &mut grads);
+        assert!(rest[0].is_some() && rest[2].is_some(), "stale keys: the weights' gradients made apart");
+        let mut acc: FlatGrads<B> = Vec::new();
+        let mut grads = backward_into_model_sums::<B, _>(&updated, &mut acc, || loss(&updated, x.clone()).backward());
+        let rest = collect_grads(&updated, &mut grads);
+        assert!(rest[0].is_none() && rest[2].is_none(), "the updated weights' gradients went into the sums");
     }
 
     /// A split backward (zero-bubble's `BackwardInput` then `BackwardWeight`): the input

@@ -667,8 +667,9 @@ pub fn cpu_name() -> String {
 /// What the calibration measures and fits, revised when either changes (2: the element-wise
 /// kernels' bytes beyond the cache, [`fit_memory_traffic`], and the synthetic data's draws;
 /// 3: the products fitted to the layers' forwards, their weight gradients apart,
-/// [`weight_gradient`]).
-const MEASURES: u32 = 3;
+/// [`weight_gradient`]; 4: the layers' weight gradients added into their sums in every
+/// timed pass, as a step adds them, where passes after the first update had made them apart).
+const MEASURES: u32 = 4;
 
 /// The file under `dir` that keeps the calibration of `workers` workers on the CPU `cpu`
 /// (`pipec run`'s cache of this machine): named by FNV-1a of the CPU's name, the worker count,

@@ -17,7 +17,7 @@ use crate::error::ExecError;
 use crate::interp::stage::StageOptim;
 use crate::interp::values::require_grad;
 use crate::nn::layers::{Act, StageGraph, StageModel};
-use crate::nn::params::{accumulate, backward_into_sums, collect_grads, sum_keys, FlatGrads};
+use crate::nn::params::{accumulate, backward_into_model_sums, collect_grads, FlatGrads};
 
 /// The median of `v` (the upper one of an even count; 0 for none).
 pub(crate) fn median(mut v: Vec<f64>) -> f64 {
@@ -74,7 +74,6 @@ pub(crate) fn time_passes<B: ExecBackend>(
     let (mut fwd, mut bwd, mut upd) = (Vec::new(), Vec::new(), Vec::new());
     let mut optim = StageOptim::<B>::new(optimizer, &crate::nn::params::layout::<B, _>(&model), Default::default());
     let mut acc = FlatGrads::<B>::new();
-    let keys = sum_keys(&model);
     let per_version = per_version.max(1);
     let (warmup, reps) = (warmup.div_ceil(per_version) * per_version, reps.max(1).div_ceil(per_version) * per_version);
     B::release_weight_copies();
@@ -91,7 +90,8 @@ pub(crate) fn time_passes<B: ExecBackend>(
         let t1 = Instant::now();
         // as the executor runs it: dense weight gradients added into the sums inside the
         // backward, the rest collected and added after
-        let mut grads = backward_into_sums::<B>(&mut acc, &keys, || s.backward());
+        // (the keys read from the model every pass: an update makes new weights)
+        let mut grads = backward_into_model_sums::<B, _>(&model, &mut acc, || s.backward());
         accumulate::<B>(&mut acc, collect_grads(&model, &mut grads));
         // the backward's kernels run before the clock stops (else the next forward's wait
         // would count them)
