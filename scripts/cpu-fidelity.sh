@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Predicted against measured CPU steps after `pipec calibrate` (docs/benchmarks.md, "CPU
-# steps after calibration"): calibrates this machine one worker at a time and two at once,
-# points the benchmark specs at those device files and runs them in RUNS rounds, each
+# steps after calibration"): calibrates this machine one worker at a time, two at once and
+# four at once, points the benchmark specs and every CPU example spec at the device file of
+# their worker count and runs them in RUNS rounds, each
 # round every spec once in turn (a machine whose speed drifts slows every spec alike), and
 # prints each spec's median measured step beside its prediction, then tensor parallelism 2
 # against 1; then `pipec calibrate --measured` on the log of MEASURED's (default 1f1b)
@@ -18,9 +19,10 @@ dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
 ln -s "$PWD/specs/data" "$dir/data"
 
-echo "calibrating (one worker, then two at once)..." >&2
+echo "calibrating (one worker, then two and four at once)..." >&2
 "$pipec" calibrate -o "$dir/one.json" >"$dir/one.log" 2>&1
 "$pipec" calibrate --concurrent 2 -o "$dir/two.json" >"$dir/two.log" 2>&1
+"$pipec" calibrate --concurrent 4 -o "$dir/four.json" >"$dir/four.log" 2>&1
 
 # spec SRC NAME DEVICE-FILE LINK: SRC with its device and intra-node link replaced
 spec() {
@@ -37,9 +39,18 @@ spec bench/specs/tp-cpu.yaml tp2 "$dir/two.json" "{ file: $dir/two.json }"
 sed -e 's/^  devices_per_node: 2/  devices_per_node: 1/' -e 's/^  tp: 2/  tp: 1/' \
     -e "s#^  device: .*#  device: { file: $dir/one.json }#" "$dir/tp2.yaml" >"$dir/tp1.yaml"
 
-all="mlp gpipe 1f1b gpt-tiny mlp-1f1b resnet cnn tp1 tp2"
+# the other CPU example specs, each on the file of its worker count
+for name in llama-tiny transformer resnet-images csv-classifier; do
+    spec "specs/$name.yaml" "$name" "$dir/two.json" "{ file: $dir/two.json }"
+done
+for name in data-parallel moe-tiny; do
+    spec "specs/$name.yaml" "$name" "$dir/four.json" "{ file: $dir/four.json }"
+done
+
+examples="llama-tiny transformer resnet-images csv-classifier"
+all="mlp gpipe 1f1b gpt-tiny mlp-1f1b resnet cnn tp1 tp2 $examples data-parallel moe-tiny"
 # the specs on the two-worker file, the one `--measured` calibrates
-two="gpipe 1f1b gpt-tiny mlp-1f1b resnet cnn tp2"
+two="gpipe 1f1b gpt-tiny mlp-1f1b resnet cnn tp2 $examples"
 # RUNS rounds of every spec named, one `pipec run --steps 10` each; each run's "step time:
 # measured A UNIT ..., predicted B UNIT" line, prefixed with the spec's name, its round and
 # its log (metrics.jsonl); $1: the spec files' prefix, then the specs' names
@@ -70,12 +81,12 @@ if len(sys.argv) > 2:
     rs = sorted(runs.get(sys.argv[2], []))
     print(rs[(len(rs) - 1) // 2][2] if rs else "")
     sys.exit()
-print(f"{'spec':10} {'predicted':>12} {'measured (median)':>18} {'measured / predicted':>21}   runs")
+print(f"{'spec':15} {'predicted':>12} {'measured (median)':>18} {'measured / predicted':>21}   runs")
 for name, rs in runs.items():
     measured = statistics.median(r[0] for r in rs)
     predicted = rs[0][1]
     each = ", ".join(f"{r[0] * 1e3:.2f}" for r in rs)
-    print(f"{name:10} {predicted * 1e3:9.2f} ms {measured * 1e3:15.2f} ms {measured / predicted:21.3f}   {each} ms")
+    print(f"{name:15} {predicted * 1e3:9.2f} ms {measured * 1e3:15.2f} ms {measured / predicted:21.3f}   {each} ms")
 if "tp1" in runs and "tp2" in runs:
     med = lambda n: statistics.median(r[0] for r in runs[n])
     measured, predicted = med("tp2") / med("tp1"), runs["tp2"][0][1] / runs["tp1"][0][1]
