@@ -191,8 +191,9 @@ pub struct DeviceModel {
     /// The executor's weight gradients (a linear layer's, its bias's with it) as products
     /// of their own, where `pipec calibrate` timed them apart from the forwards (the CPU):
     /// the `gemm` kernel reads a weight gradient's left operand, the layer's input,
-    /// transposed, and adds into the step's sum, 0.8–1.9 times a forward of the same size
-    /// by shape on a 2-core Xeon (docs/benchmarks.md). None (the presets): a weight gradient
+    /// transposed, and adds into the step's sum, 0.6–1.3 times a forward of the same size
+    /// by shape from 32 · 256 · 256 up on a 2-core Xeon (docs/benchmarks.md, "The weight
+    /// gradients timed as a step adds them"). None (the presets): a weight gradient
     /// is priced as any product of its size
     /// ([`weight_gradient_time`](Self::weight_gradient_time)).
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -60,8 +60,8 @@ impl Rotation {
     }
 }
 
-/// `t` [.., rows, dh] as [blocks, rows·dh] and as [blocks·rows, dh], with its shape.
-fn views<B: Backend>(t: FloatTensor<B>, r: &Rotation) -> (Tensor<B, 2>, Shape) {
+/// `t` [.., rows, dh] as [blocks, rows·dh], with its shape.
+fn as_blocks<B: Backend>(t: FloatTensor<B>, r: &Rotation) -> (Tensor<B, 2>, Shape) {
     let shape = t.shape();
     let blocks = shape.num_elements() / (r.rows * r.dh).max(1);
     (Tensor::from_primitive(TensorPrimitive::Float(B::float_reshape(t, Shape::new([blocks, r.rows * r.dh])))), shape)
@@ -72,7 +72,7 @@ fn views<B: Backend>(t: FloatTensor<B>, r: &Rotation) -> (Tensor<B, 2>, Shape) {
 /// by row and broadcasts one shared row in one pass, where a 4-D view or a [rows, dh] table
 /// broadcast over batch and heads takes its general strided path, several times slower.
 pub fn forward<B: Backend>(x: FloatTensor<B>, r: &Rotation) -> FloatTensor<B> {
-    let (x, shape) = views::<B>(x, r);
+    let (x, shape) = as_blocks::<B>(x, r);
     let (cos, sin) = r.tables::<B>(&x.device());
     let [blocks, width] = x.dims();
     let half = r.dh / 2;
@@ -84,7 +84,7 @@ pub fn forward<B: Backend>(x: FloatTensor<B>, r: &Rotation) -> FloatTensor<B> {
 
 /// [`forward`]'s gradient from its output's gradient `dy`: dy·c + (d₂, −d₁), d = dy·s.
 pub fn gradients<B: Backend>(dy: FloatTensor<B>, r: &Rotation) -> FloatTensor<B> {
-    let (dy, shape) = views::<B>(dy, r);
+    let (dy, shape) = as_blocks::<B>(dy, r);
     let (cos, sin) = r.tables::<B>(&dy.device());
     let [blocks, width] = dy.dims();
     let half = r.dh / 2;

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
-use burn::backend::autodiff::ops::{Backward, Ops};
+use burn::backend::autodiff::ops::{unary, Backward, Ops};
 use burn::backend::autodiff::Autodiff;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::FloatTensor;
@@ -35,7 +35,7 @@ impl<I: Kernels> Backward<I, 1> for SoftmaxBackward {
         let t = |p: FloatTensor<I>| Tensor::<I, 4>::from_primitive(TensorPrimitive::Float(p));
         let p = ops.state;
         let dh = self.dh;
-        burn::backend::autodiff::ops::unary::<I, _>(ops.parents, ops.node, grads, |dp| {
+        unary::<I, _>(ops.parents, ops.node, grads, |dp| {
             I::attention_softmax_grad(t(p), t(dp), dh).into_primitive().tensor()
         });
     }
@@ -61,11 +61,8 @@ impl<I: Kernels> Backward<I, 1> for GatedBackward {
     type State = FloatTensor<I>;
 
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let dy = grads.consume::<I>(&ops.node);
-        let [parent] = ops.parents;
-        if let Some(node) = parent {
-            grads.register::<I>(node.id, I::gated_grads(ops.state, dy, self.gate));
-        }
+        let (up, gate) = (ops.state, self.gate);
+        unary::<I, _>(ops.parents, ops.node, grads, |dy| I::gated_grads(up, dy, gate));
     }
 }
 
@@ -87,11 +84,8 @@ impl<I: Kernels> Backward<I, 1> for RotaryBackward {
     type State = Arc<Rotation>;
 
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let dy = grads.consume::<I>(&ops.node);
-        let [parent] = ops.parents;
-        if let Some(node) = parent {
-            grads.register::<I>(node.id, I::rotary_grads(dy, &ops.state));
-        }
+        let table = ops.state;
+        unary::<I, _>(ops.parents, ops.node, grads, |dy| I::rotary_grads(dy, &table));
     }
 }
 
@@ -115,11 +109,7 @@ impl<I: Kernels> Backward<I, 1> for CrossEntropyBackward {
     type State = (FloatTensor<I>, Arc<Vec<i64>>);
 
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let dy = grads.consume::<I>(&ops.node);
-        let [parent] = ops.parents;
         let (probs, labels) = ops.state;
-        if let Some(node) = parent {
-            grads.register::<I>(node.id, I::cross_entropy_grads(probs, &labels, dy));
-        }
+        unary::<I, _>(ops.parents, ops.node, grads, |dy| I::cross_entropy_grads(probs, &labels, dy));
     }
 }
