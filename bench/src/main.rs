@@ -412,8 +412,7 @@ fn zero_checkpoints() {
 
 /// The products of a dense layer on the CPU backend, at the executor benchmark's shapes
 /// (1024 × 1024 weight, a 32-row microbatch and the 256-row batch): the forward `x · W` (flex
-/// under `gemm`'s default packing, and under pipec's, which a pipec product sets; the
-/// executor's forward from the weight's transposed copy, and what an update costs it), the
+/// under `gemm`'s default packing, and under pipec's, which a pipec product sets), the
 /// input gradient in Burn's orientation `dy · Wᵀ` and in the one pipec's dense op uses on
 /// `flex`, `(W · dyᵀ)ᵀ`, and the weight gradient `xᵀ · dy`; then one layer's forward and
 /// backward through Burn's matmul and through pipec's op. Each product takes four weights in
@@ -456,22 +455,10 @@ fn kernels() {
             gemm::set_lhs_packing_threshold_single_thread(8);
             drop(a.matmul(b))
         };
-        // the executor's forward: from W's transposed copy once W has served one forward
-        let forward = |x: Tensor<I, 2>, w: Tensor<I, 2>| {
-            drop(I::weight_product(x.into_primitive().tensor(), w.into_primitive().tensor()))
-        };
         // (the lines after the first run under pipec's threshold, which its product sets)
-        let products: [(&str, f64, &mut dyn FnMut()); 9] = [
+        let products: [(&str, f64, &mut dyn FnMut()); 7] = [
             ("forward x . W, gemm's default packing", 1.0, &mut || default_packing(x.clone(), w())),
             ("forward x . W, pipec's product (packs W)", 1.0, &mut || ours(x.clone(), w())),
-            ("forward (W^T . x^T)^T from W's copy", 1.0, &mut || forward(x.clone(), w())),
-            ("first two forwards after an update", 2.0, &mut || {
-                // the first packs W, the second makes W's transposed copy and uses it
-                I::release_weight_copies();
-                let w = w();
-                forward(x.clone(), w.clone());
-                forward(x.clone(), w);
-            }),
             ("input gradient dy . W^T (Burn)", 1.0, &mut || drop(dy.clone().matmul(w().transpose()))),
             ("input gradient (W . dy^T)^T (pipec)", 1.0, &mut || drop(w().matmul(dy.clone().transpose()).transpose())),
             ("the same, pipec's product", 1.0, &mut || ours(w(), dy.clone().transpose())),

@@ -266,8 +266,7 @@ impl AttentionFit {
 
 /// A kernel's traffic beyond the cache, as `pipec calibrate` fits it on the CPU.
 /// - A product's operands ([`DeviceModel::product_traffic`]), fitted to stacks of layers run
-///   as a step runs them (weights, their transposed copies and their gradients' sums that
-///   do not all stay in cache): a product of `bytes` operands costs the 2-norm of its
+///   as a step runs them (weights and their gradients' sums that do not all stay in cache): a product of `bytes` operands costs the 2-norm of its
 ///   compute and `(bytes − cached) / bandwidth`, the two overlapping in part; its first
 ///   `cached` bytes cost nothing.
 /// - An element-wise kernel's bytes ([`DeviceModel::memory_traffic`]), fitted to the adds:

@@ -13,9 +13,11 @@
 //! the single device's numbers.
 //!
 //! A backend picks its orientation in [`Kernels::input_grad`]; CUDA keeps Burn's. The
-//! forward goes through [`Kernels::weight_product`]: on `flex`, `(Wᵀ · xᵀ)ᵀ` from a
-//! transposed copy of the weight (from its second forward, and after an update from the
-//! first), for the same reason and with the same bits (`crate::backend::flex_weights`).
+//! forward `x · W` is the plain product: a transposed copy of each weight, made at every
+//! update so that `gemm` would stream `Wᵀ` instead of packing `W`, saved 0.06 ms of a
+//! 1024 × 1024 forward at 32 rows and cost 2.5–3.5 ms a weight and update from memory
+//! the passes had left cold (whole `pipec run`s 1.22–1.23 times as long with it, Xeon,
+//! 2026-12-07; docs/benchmarks/cpu-kernels.md).
 //!
 //! The weight gradients `xᵀ · dy` are summed into the step's running sums inside the
 //! backward ([`with_gradient_sums`]), or, for the input half of a split backward (a
@@ -55,20 +57,8 @@ impl<I: Kernels, C: CheckpointStrategy> Kernels for Autodiff<I, C> {
         !t.node.requirement.is_none()
     }
 
-    fn release_weight_copies() {
-        I::release_weight_copies()
-    }
-
     fn pool_in_use(device: &Self::Device) -> Option<u64> {
         I::pool_in_use(device)
-    }
-
-    fn take_weight_copy(w: &FloatTensor<Self>) -> bool {
-        I::take_weight_copy(&w.primitive)
-    }
-
-    fn copy_weight(w: &FloatTensor<Self>) {
-        I::copy_weight(&w.primitive)
     }
 
     fn exchange(x: Tensor<Self, 2>, ex: &crate::backend::port::Exchange) -> crate::error::Result<Tensor<Self, 2>> {
@@ -204,12 +194,11 @@ impl<I: Kernels, C: CheckpointStrategy> Kernels for Autodiff<I, C> {
     fn dense(x: Tensor<Self, 2>, w: Tensor<Self, 2>) -> Tensor<Self, 2> {
         let (x, w) = (x.into_primitive().tensor(), w.into_primitive().tensor());
         let (x_tracked, w_tracked) = (x.is_tracked(), w.is_tracked());
-        // ZeRO-3: a weight gathered for this product only (its gathered copy in no cache of
-        // the backend's: `I::product`, the same bits as `weight_product`)
+        // ZeRO-3: a weight gathered for this product only
         let gathered = gathered_weight::<I>(w.node.id);
-        let (weight, product): (FloatTensor<I>, Product<I>) = match &gathered {
-            Some((g, id)) => (g.get(*id), |x, w| crate::backend::amp::mixed::<I>(x, w, I::product)),
-            None => (w.primitive.clone(), forward_product::<I>),
+        let weight = match &gathered {
+            Some((g, id)) => g.get(*id),
+            None => w.primitive.clone(),
         };
         let y = match DenseBackward.prepare::<C>([x.node.clone(), w.node.clone()]).compute_bound().stateful() {
             OpsKind::Tracked(mut prep) => {
@@ -220,9 +209,9 @@ impl<I: Kernels, C: CheckpointStrategy> Kernels for Autodiff<I, C> {
                     Some((g, id)) => Weight::Gathered(g, id),
                     None => Weight::Held(weight.clone()),
                 });
-                prep.finish((x_state, w_state), product(x.primitive, weight))
+                prep.finish((x_state, w_state), forward_product::<I>(x.primitive, weight))
             }
-            OpsKind::UnTracked(prep) => prep.finish(product(x.primitive, weight)),
+            OpsKind::UnTracked(prep) => prep.finish(forward_product::<I>(x.primitive, weight)),
         };
         Tensor::from_primitive(TensorPrimitive::Float(y))
     }
@@ -278,9 +267,6 @@ impl<I: Kernels> Backward<I, 1> for EmbedBackward {
         }
     }
 }
-
-/// A forward product `x · w` on primitives.
-type Product<I> = fn(FloatTensor<I>, FloatTensor<I>) -> FloatTensor<I>;
 
 /// What a dense product's backward keeps for its input gradient: the weight, or under
 /// ZeRO-3 per product what gathers it again.

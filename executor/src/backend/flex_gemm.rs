@@ -192,7 +192,7 @@ pub(crate) mod tests {
     use burn::tensor::ops::FloatTensorOps;
     use burn::tensor::{Distribution, Shape, Tensor, TensorPrimitive};
 
-    /// A seeded normal `f32` matrix on flex (shared with `flex_weights`' tests).
+    /// A seeded normal `f32` matrix on flex.
     pub(crate) fn random(shape: [usize; 2], seed: u64) -> FlexTensor {
         <Flex as burn::tensor::backend::Backend>::seed(&Default::default(), seed);
         Tensor::<Flex, 2>::random(shape, Distribution::Normal(0.0, 1.0), &Default::default()).into_primitive().tensor()

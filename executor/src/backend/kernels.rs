@@ -39,31 +39,12 @@ pub trait Kernels: Backend {
         Self::float_add(acc, Self::product(a, b))
     }
 
-    /// `x · w` in a forward pass, `w` a weight (by default [`Kernels::product`]).
-    fn weight_product(x: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self> {
-        Self::product(x, w)
-    }
-
     /// The bytes of the device's memory pool that allocations hold now (CubeCL's in use and
     /// padding), for the run's measured device peak; None where the backend keeps no pool
     /// (the CPU, whose process memory is measured instead).
     fn pool_in_use(_device: &Self::Device) -> Option<u64> {
         None
     }
-
-    /// Drops whatever this thread keeps to speed up [`Kernels::weight_product`], for every
-    /// weight (only frees memory; `pipec profile` starts and ends each layer with it).
-    fn release_weight_copies() {}
-
-    /// Drops what this thread keeps for [`Kernels::weight_product`] of `w` (a transposed
-    /// copy on `flex`); whether there was something.
-    fn take_weight_copy(_w: &FloatTensor<Self>) -> bool {
-        false
-    }
-
-    /// Makes now what [`Kernels::weight_product`] would make for `w` at its second forward
-    /// (after an update, for the weights whose previous version had it).
-    fn copy_weight(_w: &FloatTensor<Self>) {}
 
     /// The key under which a weight's gradient is summed in place ([`with_gradient_sums`]):
     /// on an autodiff backend the weight's graph node; `None` elsewhere.
@@ -304,15 +285,6 @@ impl Kernels for burn::backend::Flex {
         Self::float_transpose(Self::product(w, Self::float_transpose(dy)))
     }
 
-    fn weight_product(x: FloatTensor<Self>, w: FloatTensor<Self>) -> FloatTensor<Self> {
-        // (wᵀ · xᵀ)ᵀ from a transposed copy of w, once it has one (crate::backend::flex_weights)
-        crate::backend::flex_weights::product(&x, &w).unwrap_or_else(|| Self::product(x, w))
-    }
-
-    fn release_weight_copies() {
-        crate::backend::flex_weights::release()
-    }
-
     fn attention_softmax(
         scores: Tensor<Self, 4>,
         dh: usize,
@@ -451,14 +423,6 @@ impl Kernels for burn::backend::Flex {
             Some(dx) => dx,
             None => burn_max_pool_grad::<Self>(x, window, dy, indices),
         }
-    }
-
-    fn take_weight_copy(w: &FloatTensor<Self>) -> bool {
-        crate::backend::flex_weights::take(w)
-    }
-
-    fn copy_weight(w: &FloatTensor<Self>) {
-        crate::backend::flex_weights::copy_now(w)
     }
 }
 
@@ -626,12 +590,8 @@ pub(crate) fn attention_weights<B: Kernels>(
     }
 }
 
-/// `x · w` in a forward pass: through [`Kernels::weight_product`] in fp32; in a low
-/// precision ([`crate::backend::amp`]) the plain product of the rounded operands (a weight copy kept
-/// for `weight_product` would be the rounded weight's, made anew every pass).
+/// `x · w` in a forward pass: [`Kernels::product`] in fp32; in a low precision
+/// ([`crate::backend::amp`]) the product of the rounded operands.
 pub(crate) fn forward_product<I: Kernels>(x: FloatTensor<I>, w: FloatTensor<I>) -> FloatTensor<I> {
-    match crate::backend::amp::dtype() {
-        None => I::weight_product(x, w),
-        Some(_) => crate::backend::amp::mixed::<I>(x, w, I::product),
-    }
+    crate::backend::amp::mixed::<I>(x, w, I::product)
 }

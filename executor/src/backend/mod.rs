@@ -16,7 +16,6 @@ pub(crate) mod flex_pool;
 pub(crate) mod flex_rotary;
 pub(crate) mod flex_row_norm;
 pub(crate) mod flex_softmax;
-pub(crate) mod flex_weights;
 pub mod gated;
 pub mod kernels;
 pub mod norm;

@@ -16,8 +16,7 @@ use burn::module::ParamId;
 use std::collections::HashMap;
 
 /// Puts whole weights (one vector per parameter, in the layout's order) into the stage's
-/// model, under each parameter's shape; the transposed copies of the weights they replace
-/// are dropped and made again for the new ones (as an update does).
+/// model, under each parameter's shape.
 pub(crate) fn restore_weights<B: ExecBackend>(st: &mut StageState<B>, whole: Vec<Vec<f32>>) -> Result<()> {
     let shard = st.shard.as_ref().ok_or(ExecError::Missing("the stage is not sharded"))?;
     // expert parallelism: another position's experts stay dropped (`experts::Holding`)
@@ -40,9 +39,7 @@ pub(crate) fn restore_weights<B: ExecBackend>(st: &mut StageState<B>, whole: Vec
         })
         .collect();
     let model = st.model.take().ok_or(ExecError::Missing("the stage's model is in use"))?;
-    let copied = params::take_weight_copies(&model);
     let (model, missing) = params::replace_params(model, |id| by_id.remove(&id));
-    params::copy_weights(&model, &copied);
     st.model = Some(model);
     if let Some(id) = missing.first() {
         return Err(ExecError::Plan(format!("no gathered values for parameter {id}")));
@@ -81,7 +78,6 @@ pub(crate) fn unevict<B: ExecBackend>(st: &mut StageState<B>) -> Result<()> {
 /// the next gather); only the shard remains.
 pub(crate) fn release_weights<B: ExecBackend>(st: &mut StageState<B>) -> Result<()> {
     let model = st.model.take().ok_or(ExecError::Missing("the stage's model is in use"))?;
-    params::take_weight_copies(&model);
     let (model, _) = params::replace_params(model, |_| None::<(Vec<usize>, Vec<f32>)>);
     st.model = Some(model);
     if let Some(shard) = st.shard.as_mut() {

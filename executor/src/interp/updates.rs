@@ -100,7 +100,9 @@ impl<B: ExecBackend> Worker<'_, B> {
         }
         st.fold_statistics(rule)?;
         st.clear_gradients();
-        if let Some(m) = st.model.clone() {
+        // numbered versions are kept from the step's first (`Worker::step`) where a
+        // stream stashes them, and nowhere else
+        if let Some(m) = st.model.clone().filter(|_| !st.versions.is_empty()) {
             st.versions.push(m);
         }
         Ok(())

@@ -192,8 +192,14 @@ impl<'a, B: ExecBackend> Worker<'a, B> {
         let mut report = StepReport { device: self.device, step, started, ..Default::default() };
         self.progress.current_step = step;
         self.progress.grad_norm = None;
+        // the step's weight versions are kept only where a stream stashes one by number
+        // (vertical sync): a clone held through the step would keep the update from
+        // writing the weights in place
+        let numbered = segments
+            .iter()
+            .any(|(_, stream)| stream.iter().any(|i| matches!(i, Instr::StashWeights { version: Some(_), .. })));
         for st in self.stages.values_mut() {
-            st.versions = st.model.iter().cloned().collect();
+            st.versions = if numbered { st.model.iter().cloned().collect() } else { Vec::new() };
         }
         let base = (step * self.plan.training.microbatches) as u32;
         let mut versions: HashMap<StageId, u32> = HashMap::new();

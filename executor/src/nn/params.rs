@@ -56,38 +56,6 @@ pub(crate) fn sum_keys<B: crate::backend::kernels::ExecBackend, M: Module<B>>(mo
     keys.0
 }
 
-/// Drops what this thread keeps for the forward products of `model`'s weights
-/// ([`crate::backend::kernels::Kernels::take_weight_copy`]); the ids of those that had a copy.
-pub(crate) fn take_weight_copies<B: crate::backend::kernels::ExecBackend, M: Module<B>>(model: &M) -> Vec<ParamId> {
-    struct Held(Vec<ParamId>);
-    impl<B: crate::backend::kernels::ExecBackend> ModuleVisitor<B> for Held {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            if D == 2 && B::take_weight_copy(&param.val().into_primitive().tensor()) {
-                self.0.push(param.id);
-            }
-        }
-    }
-    let mut held = Held(Vec::new());
-    model.visit(&mut held);
-    held.0
-}
-
-/// Makes the copies of the parameters `ids` names now ([`crate::backend::kernels::Kernels::copy_weight`]):
-/// after an update, for the weights whose previous version had one.
-pub(crate) fn copy_weights<B: crate::backend::kernels::ExecBackend, M: Module<B>>(model: &M, ids: &[ParamId]) {
-    struct Copy<'a>(&'a [ParamId]);
-    impl<B: crate::backend::kernels::ExecBackend> ModuleVisitor<B> for Copy<'_> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            if D == 2 && self.0.contains(&param.id) {
-                B::copy_weight(&param.val().into_primitive().tensor());
-            }
-        }
-    }
-    if !ids.is_empty() {
-        model.visit(&mut Copy(ids));
-    }
-}
-
 /// Runs `backward` with the running sums in `acc` of the parameters keyed in `keys` lent to
 /// the dense products ([`with_gradient_sums`]): their weight gradients are added into `acc`
 /// inside the backward, and Burn's gradients returned hold the rest.
@@ -566,34 +534,5 @@ mod tests {
         for (i, (a, b)) in values(&whole).iter().zip(values(&split)).enumerate() {
             assert_eq!(a, &b, "parameter {i}");
         }
-    }
-
-    /// An update's copies: the weights whose forwards ran from a transposed copy are named
-    /// and their copies dropped before the update, and only those get the new version's
-    /// copy after it (here `w1`; `w2`'s 16 × 8 products are left to the direct product).
-    #[test]
-    fn an_update_renews_the_copies_of_the_weights_that_had_them() {
-        B::release_weight_copies();
-        let m = Two::<B> {
-            w1: Param::from_tensor(random([24, 40], 11).require_grad()),
-            bias: Param::from_tensor(random([40], 12).require_grad()),
-            w2: Param::from_tensor(random([40, 8], 13).require_grad()),
-        };
-        for seed in [14, 15] {
-            drop(loss(&m, random([16, 24], seed)));
-        }
-        let ids = take_weight_copies(&m);
-        assert_eq!(ids, vec![m.w1.id]);
-        assert!(take_weight_copies(&m).is_empty(), "taken: nothing left to take");
-        // the new version (as the optimizer returns it): new tensors under the same ids
-        let new = Two::<B> {
-            w1: Param::initialized(m.w1.id, random([24, 40], 16).require_grad()),
-            bias: Param::initialized(m.bias.id, random([40], 17).require_grad()),
-            w2: Param::initialized(m.w2.id, random([40, 8], 18).require_grad()),
-        };
-        drop(m);
-        copy_weights(&new, &ids);
-        assert_eq!(take_weight_copies(&new), vec![new.w1.id], "made after the update, for w1 only");
-        B::release_weight_copies();
     }
 }

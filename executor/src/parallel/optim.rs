@@ -17,7 +17,7 @@ use pipec_plan::Precision;
 
 use crate::backend::kernels::ExecBackend;
 use crate::nn::layers::StageModel;
-use crate::nn::params::{copy_weights, take_weight_copies, to_optimizer_grads};
+use crate::nn::params::to_optimizer_grads;
 
 /// The optimizer of a stage (of its model, or of a ZeRO replica's shard of it), and the
 /// precision its results are stored in.
@@ -222,18 +222,10 @@ impl<B: ExecBackend, M: AutodiffModule<B>> StageOptim<B, M> {
     }
 
     /// One update of `model` from flat gradients (in visiting order), each scaled by
-    /// `scale`. The weights' transposed copies (`crate::backend::flex_weights`) belong to the version
-    /// being replaced: they are dropped first, so that nothing extra holds the weights while
-    /// they are updated, and the new version's are made at once, so that its forwards all
-    /// run from them and the transposition runs here, where a stage that waits for its
-    /// first input after the update has the time (`pipec profile` times it as part of the
-    /// update).
+    /// `scale`.
     pub(crate) fn update(&mut self, lr: f64, model: M, flat: &[Option<Tensor<B::InnerBackend, 1>>], scale: f64) -> M {
-        let copied = take_weight_copies(&model);
         let grads = to_optimizer_grads(&model, flat, scale);
-        let model = self.step(lr, model, grads);
-        copy_weights(&model, &copied);
-        model
+        self.step(lr, model, grads)
     }
 
     /// The optimizer's state (momentum, Adam moments) in Burn's binary record format.

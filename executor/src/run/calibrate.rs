@@ -51,12 +51,18 @@ pub struct Calibration {
 }
 
 /// The median of `reps` timings of `f` after `warmup` untimed runs.
-fn median_seconds(warmup: usize, reps: usize, mut f: impl FnMut()) -> f64 {
+fn median_seconds(warmup: usize, reps: usize, f: impl FnMut()) -> f64 {
+    median_seconds_after(warmup, reps, || (), f)
+}
+
+/// [`median_seconds`] with `before` run untimed ahead of each timed run.
+fn median_seconds_after(warmup: usize, reps: usize, mut before: impl FnMut(), mut f: impl FnMut()) -> f64 {
     for _ in 0..warmup {
         f();
     }
     let mut t: Vec<f64> = (0..reps.max(1))
         .map(|_| {
+            before();
             let start = Instant::now();
             f();
             start.elapsed().as_secs_f64()
@@ -64,6 +70,22 @@ fn median_seconds(warmup: usize, reps: usize, mut f: impl FnMut()) -> f64 {
         .collect();
     t.sort_by(f64::total_cmp);
     t[t.len() / 2]
+}
+
+/// Bytes written between timed updates so that an update finds its tensors where a step's
+/// passes leave them: out of the caches. On the Xeon of docs/benchmarks.md a transposition
+/// of 1024 × 1024 took 1.0–1.2 ms after 8–32 MiB had been written, 1.4–2.4 ms after 64–128
+/// MiB and 2.0–3.2 ms after 512 MiB, against 2.5–3.3 ms inside `pipec run`'s steps of the
+/// benchmark MLP (whose passes touch about 100 MiB).
+const EVICT_BYTES: usize = 256 << 20;
+
+/// Writes one byte of every cache line of `buffer` (a new value each call).
+fn evict(buffer: &mut [u8], round: &mut u8) {
+    *round = round.wrapping_add(1);
+    for b in buffer.iter_mut().step_by(64) {
+        *b = *round;
+    }
+    std::hint::black_box(&buffer[0]);
 }
 
 /// The line `seconds = slope · size + intercept` closest to the points in relative error
@@ -318,12 +340,14 @@ pub fn fit(name: &str, memory: f64, launch: f64, products: &[Point], adds: &[(us
 /// large tensors (4 × linear(1024, 1024): 4.2 M parameters in 8 tensors) and of many small
 /// ones (64 × linear(16, 16): 17,408 in 128), each the median of `reps`, solved for the
 /// seconds per tensor and per parameter ([`update_rate`]). An update is what a step's runs:
-/// the gradients handed to Burn's optimizer, its step, and on the CPU the new weights'
-/// transposed copies for the forwards (made after two forwards, as in training).
+/// the gradients handed to Burn's optimizer and its step, each update timed after
+/// [`EVICT_BYTES`] of host memory were written, as a step's passes leave the update's
+/// tensors out of the caches (a GPU's own memory is not touched).
 pub fn optimizer_rates<B: crate::backend::kernels::ExecBackend>(device: &B::Device, reps: usize) -> OptimizerRates {
     use pipec_plan::model::Op;
     use pipec_plan::plan::OptimizerPlan;
     let chain = |n: usize, width: usize| vec![Op::Linear { in_features: width, out_features: width, bias: true }; n];
+    let buffer = std::cell::RefCell::new(vec![0u8; EVICT_BYTES]);
     let time = |plan: &OptimizerPlan, ops: &[Op]| -> Point {
         let mut model = Some(crate::nn::layers::StageModel::<B>::new(ops, 0, 1, device));
         let layout = crate::nn::params::layout::<B, _>(model.as_ref().expect("built"));
@@ -340,25 +364,14 @@ pub fn optimizer_rates<B: crate::backend::kernels::ExecBackend>(device: &B::Devi
             })
             .collect();
         let params: usize = layout.iter().map(|(_, s)| s.iter().product::<usize>()).sum();
-        // two forwards first, as a step runs them: on the CPU the weights then have their
-        // transposed copies (`crate::backend::flex_weights`), which every update makes again
-        let width = match ops.first() {
-            Some(Op::Linear { in_features, .. }) => *in_features,
-            _ => 1,
-        };
-        let x = Tensor::<B, 2>::random([8, width], Distribution::Uniform(-1.0, 1.0), device);
-        for _ in 0..2 {
-            if let Some(m) = &model {
-                let _ = m.forward(crate::nn::layers::Act::D2(x.clone()), false, &mut Default::default());
-            }
-        }
-        let seconds = median_seconds(1, reps.max(3), || {
+        let mut round = 0u8;
+        let before = || evict(&mut buffer.borrow_mut(), &mut round);
+        let seconds = median_seconds_after(1, reps.max(3), before, || {
             if let Some(m) = model.take() {
                 model = Some(optim.update(1e-3, m, &flat, 1.0));
             }
             let _ = B::sync(device);
         });
-        B::release_weight_copies();
         Point { size: params as f64, seconds }
     };
     let rate = |plan: OptimizerPlan| {
@@ -668,8 +681,9 @@ pub fn cpu_name() -> String {
 /// kernels' bytes beyond the cache, [`fit_memory_traffic`], and the synthetic data's draws;
 /// 3: the products fitted to the layers' forwards, their weight gradients apart,
 /// [`weight_gradient`]; 4: the layers' weight gradients added into their sums in every
-/// timed pass, as a step adds them, where passes after the first update had made them apart).
-const MEASURES: u32 = 4;
+/// timed pass, as a step adds them, where passes after the first update had made them apart;
+/// 5: the optimizer updates timed from memory out of the caches, [`EVICT_BYTES`]).
+const MEASURES: u32 = 5;
 
 /// The file under `dir` that keeps the calibration of `workers` workers on the CPU `cpu`
 /// (`pipec run`'s cache of this machine): named by FNV-1a of the CPU's name, the worker count,

@@ -60,9 +60,8 @@ pub(crate) struct Passes {
 /// a step that runs that many microbatches per update; the medians of the forwards, the
 /// backwards and the updates. A backward is timed as the executor runs it: the autodiff
 /// pass and the weight gradients added into the step's sums. An update is the optimizer
-/// step and what the backend does once per weight version (flex's transposed copies,
-/// `StageOptim::update`), with a learning rate of zero, which costs the same work and keeps
-/// the weights at their values. Both counts are rounded up to whole groups.
+/// step (`StageOptim::update`), with a learning rate of zero, which costs the same work and
+/// keeps the weights at their values. Both counts are rounded up to whole groups.
 pub(crate) fn time_passes<B: ExecBackend>(
     mut model: StageModel<B>,
     dev: &B::Device,
@@ -76,7 +75,6 @@ pub(crate) fn time_passes<B: ExecBackend>(
     let mut acc = FlatGrads::<B>::new();
     let per_version = per_version.max(1);
     let (warmup, reps) = (warmup.div_ceil(per_version) * per_version, reps.max(1).div_ceil(per_version) * per_version);
-    B::release_weight_copies();
     for r in 0..warmup + reps {
         let x = input();
         // the input made before the clock starts (a GPU queues its kernels)
@@ -111,7 +109,6 @@ pub(crate) fn time_passes<B: ExecBackend>(
             }
         }
     }
-    B::release_weight_copies();
     Ok(Passes { forward: median(fwd), backward: median(bwd), update: median(upd) })
 }
 

@@ -8,8 +8,8 @@ use pipec_plan::device::{AttentionFit, AttentionRates, Curve, ProductFit, Traffi
 
 use super::*;
 
-/// Linear layers in each calibration stack: a stage's worth, so that large layers' weights,
-/// their transposed copies and their gradients' sums do not all stay in cache, as in a step.
+/// Linear layers in each calibration stack: a stage's worth, so that large layers' weights
+/// and their gradients' sums do not all stay in cache, as in a step.
 const STACK: usize = 4;
 /// Microbatches a stack's weights serve between two updates in a calibration.
 const PER_VERSION: usize = 4;
@@ -26,7 +26,7 @@ pub fn product_bytes((m, k, n): (usize, usize, usize)) -> f64 {
 /// layers of that product (k → n, then n → k, ...), x·W + b forward through autodiff and its
 /// backward with the weight gradients added into the step's sums, [`PER_VERSION`]
 /// microbatches per weight version (timed as `pipec profile` times a model; the updates
-/// between versions, which on the CPU remake the weights' transposed copies, untimed). A
+/// between versions untimed). A
 /// point is one product's FLOPs and a layer's forward, beside the layer's backward seconds
 /// (its input, weight and bias gradients: [`weight_gradient`]). The CPU's device file fits
 /// its matrix rate and the products' bandwidth to these: a layer's products cost what the
@@ -69,7 +69,6 @@ pub fn layer_products<B: crate::backend::kernels::ExecBackend>(
             Ok(((m, k, n), Point { size: 2.0 * (m * k * n) as f64, seconds: forward }, backward))
         })
         .collect();
-    // (time_passes drops the weights' transposed copies before and after each stack)
     points
 }
 
