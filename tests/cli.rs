@@ -2644,7 +2644,7 @@ fn calibrate_measured_fits_the_engine_to_one_step_and_specs_name_the_file() {
     // run faster than any efficiency reaches says to measure the device again
     let mut cpu = pipec_plan::device::DeviceModel::uniform("cpu (pipec calibrate)", 4e9, 1e11);
     cpu.memory_bandwidth = 1e10;
-    cpu.product_traffic = Some(pipec_plan::device::Traffic { cached: 1e6, bandwidth: 1e10 });
+    cpu.product_traffic = Some(pipec_plan::device::Traffic::new(1e10, 1e6));
     std::fs::write(dir.path().join("cpu.json"), serde_json::to_string(&cpu).expect("json")).expect("write");
     let readme = std::fs::read_to_string("specs/mlp-1f1b.yaml").expect("spec");
     let line = readme.lines().find(|l| l.trim_start().starts_with("device:")).expect("a device line");

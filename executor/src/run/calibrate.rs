@@ -73,10 +73,9 @@ fn median_seconds_after(warmup: usize, reps: usize, mut before: impl FnMut(), mu
 }
 
 /// Bytes written between timed updates so that an update finds its tensors where a step's
-/// passes leave them: out of the caches. On the Xeon of docs/benchmarks.md a transposition
-/// of 1024 × 1024 took 1.0–1.2 ms after 8–32 MiB had been written, 1.4–2.4 ms after 64–128
-/// MiB and 2.0–3.2 ms after 512 MiB, against 2.5–3.3 ms inside `pipec run`'s steps of the
-/// benchmark MLP (whose passes touch about 100 MiB).
+/// passes leave them: out of the caches. On the Xeon of docs/benchmarks.md an SGD-like pass
+/// over a 4 MiB matrix (`w -= 0.01 · g`, a scratch program) took 0.29 ms after 8–32 MiB had
+/// been written, 0.36 ms after 64 MiB and 0.47–0.51 ms after 128–512 MiB.
 const EVICT_BYTES: usize = 256 << 20;
 
 /// Writes one byte of every cache line of `buffer` (a new value each call).
@@ -682,8 +681,9 @@ pub fn cpu_name() -> String {
 /// 3: the products fitted to the layers' forwards, their weight gradients apart,
 /// [`weight_gradient`]; 4: the layers' weight gradients added into their sums in every
 /// timed pass, as a step adds them, where passes after the first update had made them apart;
-/// 5: the optimizer updates timed from memory out of the caches, [`EVICT_BYTES`]).
-const MEASURES: u32 = 5;
+/// 5: the optimizer updates timed from memory out of the caches, [`EVICT_BYTES`]; 6: the
+/// products' compute and traffic combined by a fitted norm, `Traffic::norm`).
+const MEASURES: u32 = 6;
 
 /// The file under `dir` that keeps the calibration of `workers` workers on the CPU `cpu`
 /// (`pipec run`'s cache of this machine): named by FNV-1a of the CPU's name, the worker count,

@@ -1038,7 +1038,7 @@ mod tests {
         // a device `pipec calibrate` measured may run faster than it was measured
         let mut cpu = DeviceModel::uniform("cpu (pipec calibrate)", 1e9, 1e11);
         assert_eq!(peak_cap(&cpu), 1.0, "figures alone are not a measurement");
-        cpu.product_traffic = Some(crate::device::Traffic { bandwidth: 1e10, cached: 1e6 });
+        cpu.product_traffic = Some(crate::device::Traffic::new(1e10, 1e6));
         cpu.layer_pass = Some(12e-6);
         scale_peaks(&mut cpu, 1.2);
         assert!((cpu.matrix_efficiency.peak - 1.2).abs() < 1e-12);

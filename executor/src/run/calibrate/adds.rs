@@ -46,7 +46,7 @@ pub fn fit_memory_traffic(c: &mut Calibration) {
         if !(bandwidth.is_finite() && bandwidth < d.memory_bandwidth) {
             continue;
         }
-        d.memory_traffic = Some(pipec_plan::device::Traffic { bandwidth, cached });
+        d.memory_traffic = Some(pipec_plan::device::Traffic::new(bandwidth, cached));
         let e = error(&d);
         if e < best.0 {
             best = (e, Some(d));

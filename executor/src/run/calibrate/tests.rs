@@ -4,20 +4,25 @@ use pipec_plan::device::{AttentionFit, ProductFit, Traffic};
 #[test]
 fn the_products_fit_finds_the_traffic_the_points_were_made_with() {
     // points from 2e11 FLOP/s reaching half of it at 1e6 FLOPs, operands beyond 1 MiB at
-    // 1e10 B/s, a launch of 0.3 µs: the sweep's shapes
-    let (rate, half, traffic, launch) = (2e11, 1e6, Traffic { bandwidth: 1e10, cached: 1048576.0 }, 3e-7);
-    let mut d = DeviceModel::uniform("truth", 1e9, rate);
-    (d.matrix_efficiency, d.product_traffic, d.launch) = (Curve { peak: 1.0, half }, Some(traffic), launch);
-    let points: Vec<(f64, f64, f64)> = Sweep::CPU
-        .products
-        .iter()
-        .map(|&s| {
-            let (f, b) = (2.0 * (s.0 * s.1 * s.2) as f64, product_bytes(s));
-            (f, b, d.matrix_time(f, b, pipec_plan::Precision::Fp32))
-        })
-        .collect();
-    let (ProductFit { rate: r, half: h, traffic: t }, e) = fit_products_with_traffic(&points, launch).expect("fits");
-    assert!((r / rate - 1.0).abs() < 1e-3 && h == half && t == traffic && e < 1e-6, "{r} {h} {t:?} {e}");
+    // 1e10 B/s, a launch of 0.3 µs: the sweep's shapes; the traffic overlapping the compute
+    // (the 2-norm) or added to it
+    let (rate, half, launch) = (2e11, 1e6, 3e-7);
+    for norm in [Traffic::OVERLAPPING, 1.0] {
+        let traffic = Traffic { norm, ..Traffic::new(1e10, 1048576.0) };
+        let mut d = DeviceModel::uniform("truth", 1e9, rate);
+        (d.matrix_efficiency, d.product_traffic, d.launch) = (Curve { peak: 1.0, half }, Some(traffic), launch);
+        let points: Vec<(f64, f64, f64)> = Sweep::CPU
+            .products
+            .iter()
+            .map(|&s| {
+                let (f, b) = (2.0 * (s.0 * s.1 * s.2) as f64, product_bytes(s));
+                (f, b, d.matrix_time(f, b, pipec_plan::Precision::Fp32))
+            })
+            .collect();
+        let (ProductFit { rate: r, half: h, traffic: t }, e) =
+            fit_products_with_traffic(&points, launch).expect("fits");
+        assert!((r / rate - 1.0).abs() < 1e-3 && h == half && t == traffic && e < 1e-6, "{r} {h} {t:?} {e}");
+    }
     // points a product's compute alone explains: the roofline the first fit made fits
     // them exactly, and the refit keeps a model as close
     let compute = |s: (usize, usize, usize)| launch + (2.0 * (s.0 * s.1 * s.2) as f64 + half) / rate;
@@ -100,7 +105,7 @@ fn a_layers_products_are_timed_through_autodiff_one_product_a_point() {
 fn the_weight_gradients_are_fitted_as_products_of_their_own_from_the_backward_beyond_the_forward() {
     // weight gradients of 1e11 FLOP/s reaching half of it at 1e6 FLOPs, operands beyond 1
     // MiB at 1e10 B/s, a launch of 0.3 µs, on the sweep's shapes, behind forwards of 0.1 ms
-    let truth = ProductFit { rate: 1e11, half: 1e6, traffic: Traffic { bandwidth: 1e10, cached: 1048576.0 } };
+    let truth = ProductFit { rate: 1e11, half: 1e6, traffic: Traffic::new(1e10, 1048576.0) };
     let launch = 3e-7;
     let shapes = Sweep::CPU.products;
     let forwards: Vec<(Shape, Point)> =
