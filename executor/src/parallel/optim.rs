@@ -470,4 +470,39 @@ mod tests {
         round_to(Precision::Fp32, &mut same);
         assert_eq!(same, [0.1]);
     }
+
+    /// An update writes a weight nothing else holds in place, and one held elsewhere (a
+    /// clone of the model kept through the step) into new memory: why a step keeps its
+    /// weight versions only where vertical sync reads them (`Worker::step`).
+    #[test]
+    fn an_update_writes_the_weights_in_place_unless_a_clone_holds_them() {
+        use crate::backend::CpuBackend as B;
+        use pipec_plan::model::Op;
+        let dev = Default::default();
+        let ops = [Op::Linear { in_features: 64, out_features: 64, bias: true }];
+        let plan = pipec_plan::plan::OptimizerPlan::Sgd { lr: 0.1, momentum: 0.0, weight_decay: 0.0 };
+        let weight_at = |m: &crate::nn::layers::StageModel<B>| {
+            struct At(Vec<*const u8>);
+            impl burn::module::ModuleVisitor<B> for At {
+                fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<B, D>>) {
+                    self.0.push(param.val().into_primitive().tensor().primitive.bytes().as_ptr());
+                }
+            }
+            let mut at = At(Vec::new());
+            m.visit(&mut at);
+            at.0
+        };
+        for held in [false, true] {
+            let model = crate::nn::layers::StageModel::<B>::new(&ops, 0, 1, &dev);
+            let layout = crate::nn::params::layout::<B, _>(&model);
+            let mut optim = StageOptim::<B, _>::new(&plan, &layout, Default::default());
+            let flat: Vec<Option<Tensor<<B as burn::tensor::backend::AutodiffBackend>::InnerBackend, 1>>> =
+                layout.iter().map(|(_, shape)| Some(Tensor::ones([shape.iter().product::<usize>()], &dev))).collect();
+            let before = weight_at(&model);
+            let clone = held.then(|| model.clone());
+            let after = weight_at(&optim.update(0.1, model, &flat, 1.0));
+            assert_eq!(before == after, !held, "held elsewhere: {held}");
+            drop(clone);
+        }
+    }
 }
