@@ -124,9 +124,10 @@ pub fn fit_products_with_traffic(points: &[(f64, f64, f64)], launch: f64) -> Opt
 }
 
 /// The norms a product's compute and traffic may combine by ([`Traffic::norm`]): added,
-/// between, and the 2-norm. On the 2-core Xeon (2026-12-07) the layers' forwards fitted by
-/// 1 left a summed squared relative error of 0.03 and 0.10 (one and two workers) against 0.13
-/// and 0.29 by 2: `gemm` packs the weight, then multiplies.
+/// between, and the 2-norm. On the 2-core Xeon (2026-12-07) the layers' forwards of one
+/// calibration each, refitted by a scratch program on a coarser grid, left a summed squared
+/// relative error of 0.03 and 0.10 (one and two workers) fitted by 1 against 0.13 and 0.29
+/// by 2: `gemm` packs the weight, then multiplies.
 const NORMS: [f64; 3] = [1.0, 1.5, Traffic::OVERLAPPING];
 
 /// Refits `c`'s products with their traffic beyond the cache
