@@ -382,6 +382,16 @@ mod tests {
         B::dense(h, m.w2.val()).sum()
     }
 
+    /// A model of `inner` inputs, `hidden` units and 8 outputs, its weights, bias and
+    /// weights drawn with seeds `seed`, `seed + 1` and `seed + 2`.
+    fn two((inner, hidden): (usize, usize), seed: u64) -> Two<B> {
+        Two::<B> {
+            w1: Param::from_tensor(random([inner, hidden], seed).require_grad()),
+            bias: Param::from_tensor(random([hidden], seed + 1).require_grad()),
+            w2: Param::from_tensor(random([hidden, 8], seed + 2).require_grad()),
+        }
+    }
+
     fn values(acc: &FlatGrads<B>) -> Vec<Vec<f32>> {
         acc.iter().map(|g| g.clone().expect("a gradient").into_data().to_vec::<f32>().expect("f32")).collect()
     }
@@ -391,11 +401,7 @@ mod tests {
     /// sums, and the second way really bypasses Burn's gradients for those weights.
     #[test]
     fn gradients_summed_inside_the_backward_equal_the_usual_sums() {
-        let m = Two::<B> {
-            w1: Param::from_tensor(random([24, 40], 1).require_grad()),
-            bias: Param::from_tensor(random([40], 2).require_grad()),
-            w2: Param::from_tensor(random([40, 8], 3).require_grad()),
-        };
+        let m = two((24, 40), 1);
         let xs = [random([16, 24], 4), random([16, 24], 5)];
         let mut usual: FlatGrads<B> = Vec::new();
         for x in &xs {
@@ -427,18 +433,10 @@ mod tests {
     /// pass with) they go into the sums.
     #[test]
     fn the_sums_reach_the_weights_an_update_made() {
-        let m = Two::<B> {
-            w1: Param::from_tensor(random([24, 40], 31).require_grad()),
-            bias: Param::from_tensor(random([40], 32).require_grad()),
-            w2: Param::from_tensor(random([40, 8], 33).require_grad()),
-        };
+        let m = two((24, 40), 31);
         let stale = sum_keys(&m);
         // an update: new weight tensors
-        let updated = Two::<B> {
-            w1: Param::from_tensor(random([24, 40], 35).require_grad()),
-            bias: Param::from_tensor(random([40], 36).require_grad()),
-            w2: Param::from_tensor(random([40, 8], 37).require_grad()),
-        };
+        let updated = two((24, 40), 35);
         let x = random([16, 24], 34);
         let mut acc: FlatGrads<B> = Vec::new();
         let mut grads = backward_into_sums::<B>(&mut acc, &stale, || loss(&updated, x.clone()).backward());
@@ -457,11 +455,7 @@ mod tests {
     #[test]
     fn a_split_backward_gives_the_whole_backwards_sums_bit_for_bit() {
         for (rows, inner, hidden) in [(16, 24, 40), (32, 64, 256)] {
-            let m = Two::<B> {
-                w1: Param::from_tensor(random([inner, hidden], 21).require_grad()),
-                bias: Param::from_tensor(random([hidden], 22).require_grad()),
-                w2: Param::from_tensor(random([hidden, 8], 23).require_grad()),
-            };
+            let m = two((inner, hidden), 21);
             let xs = [random([rows, inner], 24).require_grad(), random([rows, inner], 25).require_grad()];
             let keys = sum_keys(&m);
             let (mut whole, mut split): (FlatGrads<B>, FlatGrads<B>) = (Vec::new(), Vec::new());
