@@ -318,7 +318,8 @@ fn run_elastic(args: &LaunchArgs<'_>, e: Elastic, mut attempt: Attempt) -> u8 {
         println!("{}", cmd.iter().map(|c| quote(c)).collect::<Vec<_>>().join(" "));
         // (a Slurm allocation does not grow: its lost nodes are not asked again)
         let missing = if attempt.slurm { HostDevices::new() } else { hosts.missing() };
-        let mut comeback = Comeback::new(&latest, missing, args.hostfile, hosts.running(), &agent);
+        let mut comeback =
+            Comeback::new((&latest, &dir.join("metrics.jsonl")), missing, args.hostfile, hosts.running(), &agent);
         let failures = attempt.failures.as_deref();
         let ended = supervise(&cmd, &host_devices, args.start_timeout, &agent, failures, &mut || comeback.poll());
         let mut change: Vec<String> = Vec::new();
@@ -366,7 +367,7 @@ fn run_elastic(args: &LaunchArgs<'_>, e: Elastic, mut attempt: Attempt) -> u8 {
             Ok(n) => n,
             Err(code) => return code,
         };
-        let steps_done = completed_steps_in_metrics(&dir);
+        let steps_done = completed_steps_in(&dir.join("metrics.jsonl"));
         let (reason, what) = if ended.stopped {
             ("returned", format!("{} answered again", change.join(", ")))
         } else if change.is_empty() {
@@ -563,6 +564,9 @@ struct Ended {
 /// in the background, whether they answer.
 struct Comeback {
     latest: PathBuf,
+    /// The job's `metrics.jsonl`: the job stops only once it records every step of the
+    /// checkpoint it resumes from.
+    metrics: PathBuf,
     seen: Option<String>,
     missing: HostDevices,
     /// The hostfile, read again at each checkpoint, and the hosts the job runs on now.
@@ -572,13 +576,22 @@ struct Comeback {
     probe: Option<std::thread::JoinHandle<(Vec<String>, Vec<String>)>>,
     /// The hosts that answered, at most as many as are missing (missing ones first).
     back: Vec<String>,
+    /// When hosts answered: from then the job stops as soon as its metrics are recorded.
+    answered: Option<std::time::Instant>,
 }
 
 impl Comeback {
-    fn new(latest: &Path, missing: HostDevices, hostfile: Option<&Path>, present: Vec<String>, agent: &str) -> Self {
+    fn new(
+        (latest, metrics): (&Path, &Path),
+        missing: HostDevices,
+        hostfile: Option<&Path>,
+        present: Vec<String>,
+        agent: &str,
+    ) -> Self {
         let seen = std::fs::read_to_string(latest).ok();
         Comeback {
             latest: latest.to_path_buf(),
+            metrics: metrics.to_path_buf(),
             seen,
             missing,
             hostfile: hostfile.map(Path::to_path_buf),
@@ -586,6 +599,7 @@ impl Comeback {
             agent: agent.to_string(),
             probe: None,
             back: Vec::new(),
+            answered: None,
         }
     }
 
@@ -607,10 +621,16 @@ impl Comeback {
         c
     }
 
-    /// True when a host answered after a checkpoint: the job should stop to grow.
+    /// True when a host answered after a checkpoint: the job should stop to grow. It is
+    /// true once `metrics.jsonl` records every step the newest checkpoint holds (rank 0
+    /// writes a step's line after its checkpoint: a job stopped between the two would
+    /// resume past a step no line records), or [`RECORD_WAIT`] after the answer.
     fn poll(&mut self) -> bool {
         if self.missing.is_empty() {
             return false;
+        }
+        if let Some(t) = self.answered {
+            return t.elapsed() > RECORD_WAIT || self.recorded();
         }
         if self.probe.as_ref().is_some_and(|p| p.is_finished()) {
             let (asked, silent) = self.probe.take().and_then(|p| p.join().ok()).unwrap_or_default();
@@ -619,7 +639,11 @@ impl Comeback {
                 .filter(|h| !silent.iter().any(|s| s.starts_with(&format!("host {h} "))))
                 .take(self.missing.len())
                 .collect();
-            return !self.back.is_empty();
+            if self.back.is_empty() {
+                return false;
+            }
+            self.answered = Some(std::time::Instant::now());
+            return self.recorded();
         }
         let now = std::fs::read_to_string(&self.latest).ok();
         if self.probe.is_none() && now.is_some() && now != self.seen {
@@ -632,11 +656,26 @@ impl Comeback {
         }
         false
     }
+
+    /// Whether `metrics.jsonl` records every step of the checkpoint `latest` names (true
+    /// when either cannot be read: nothing is waited for that may never come).
+    fn recorded(&self) -> bool {
+        let steps = std::fs::read_to_string(&self.latest).ok().and_then(|name| {
+            let dir = self.latest.parent()?.join(name.trim());
+            pipec_plan::checkpoint::completed_steps(&dir).ok()
+        });
+        steps.is_none_or(|n| completed_steps_in(&self.metrics) >= n)
+    }
 }
 
-/// The steps `metrics.jsonl` in `dir` records as completed (its last step + 1).
-fn completed_steps_in_metrics(dir: &Path) -> usize {
-    std::fs::read_to_string(dir.join("metrics.jsonl"))
+/// How long a job that is to grow may run on for its newest checkpoint's steps to be
+/// recorded in `metrics.jsonl` (rank 0 writes each line once every rank has sent its
+/// step's figures).
+const RECORD_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// The steps the metrics file `path` records as completed (its last step + 1).
+fn completed_steps_in(path: &Path) -> usize {
+    std::fs::read_to_string(path)
         .unwrap_or_default()
         .lines()
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?["step"].as_u64())
@@ -807,12 +846,41 @@ fn supervise(
             );
             return Ended { code: EXIT_DIAGNOSTICS, losses: lost(), stopped: false };
         } else if started.load(Ordering::Relaxed) && stop() {
-            let _ = child.kill();
-            let _ = child.wait();
+            stop_gracefully(&mut child);
             return Ended { code: EXIT_DIAGNOSTICS, losses: lost(), stopped: true };
         }
         std::thread::sleep(std::time::Duration::from_millis(100));
     }
+}
+
+/// How long a job asked to stop (SIGTERM to mpirun or srun, which forward it to every
+/// rank) may take to end before it is killed.
+const STOP_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Stops the job `child` runs as a signal would: SIGTERM reaches every rank, which stop at
+/// the next step boundary they agree on and write a checkpoint of it (`pipec run`'s
+/// stop), so a job stopped to grow loses no step. Killed if it has not ended
+/// [`STOP_WAIT`] later. (Open MPI itself kills a rank one second after forwarding the
+/// signal, `odls_base_sigkill_timeout`: a longer checkpoint is cut short there, and the
+/// job resumes from its last periodic one.)
+fn stop_gracefully(child: &mut std::process::Child) {
+    let asked = std::time::Instant::now();
+    if let Ok(pid) = libc::pid_t::try_from(child.id()) {
+        // SAFETY: kill(2) touches no memory; the pid is a child not yet waited for, so it
+        // names no other process
+        #[allow(unsafe_code)]
+        unsafe {
+            libc::kill(pid, libc::SIGTERM)
+        };
+    }
+    while asked.elapsed() < STOP_WAIT {
+        if !matches!(child.try_wait(), Ok(None)) {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
 }
 
 /// How long a host has to answer the launch agent when a job did not start.
@@ -884,7 +952,9 @@ mod tests {
         std::fs::write(&agent, "#!/bin/sh\n[ \"$1\" = spare ]\n").expect("w");
         assert!(std::process::Command::new("chmod").arg("+x").arg(&agent).status().expect("chmod").success());
         let missing = vec![("b".to_string(), "node 1 of the spec".to_string())];
-        let mut c = Comeback::new(&latest, missing, Some(&hostfile), vec!["a".into()], &agent.display().to_string());
+        let metrics = dir.path().join("metrics.jsonl");
+        let agent = agent.display().to_string();
+        let mut c = Comeback::new((&latest, &metrics), missing, Some(&hostfile), vec!["a".into()], &agent);
         assert!(!c.poll(), "nothing is asked before a new checkpoint");
         // b is listed but silent; the hostfile then gains `spare`, and a checkpoint comes
         std::fs::write(&hostfile, "a slots=1\nb slots=1\nspare slots=1\n").expect("w");
@@ -895,6 +965,58 @@ mod tests {
             std::thread::sleep(std::time::Duration::from_millis(20));
         }
         assert_eq!(c.back, vec!["spare".to_string()]);
+    }
+
+    /// A host answers just after a checkpoint is published, before rank 0 has written the
+    /// line of the checkpoint's last step: the job is not stopped until that line is
+    /// written (stopped at once, it would resume past a step no line records).
+    #[test]
+    fn a_job_grows_only_once_its_newest_checkpoints_steps_are_recorded() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let checkpoints = dir.path().join("checkpoints");
+        let step = checkpoints.join("step-000010");
+        std::fs::create_dir_all(&step).expect("dir");
+        std::fs::write(step.join("state.json"), r#"{"completed_steps": 10}"#).expect("w");
+        let latest = checkpoints.join("latest");
+        let metrics = dir.path().join("metrics.jsonl");
+        let lines = |n: usize| (0..n).map(|s| format!("{{\"step\": {s}, \"loss\": 1.0}}\n")).collect::<String>();
+        std::fs::write(&metrics, lines(9)).expect("w");
+        let missing = vec![("b".to_string(), "node 1 of the spec".to_string())];
+        let mut c = Comeback::new((&latest, &metrics), missing, None, vec!["a".into()], "true");
+        std::fs::write(&latest, "step-000010").expect("w");
+        let start = std::time::Instant::now();
+        while c.answered.is_none() {
+            assert!(!c.poll(), "step 9 is not recorded yet");
+            assert!(start.elapsed() < std::time::Duration::from_secs(30), "no answer");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        assert_eq!(c.back, vec!["b".to_string()]);
+        assert!(!c.poll() && !c.poll(), "step 9 is still not recorded");
+        std::fs::write(&metrics, lines(10)).expect("w");
+        assert!(c.poll(), "every step of the checkpoint is recorded");
+    }
+
+    /// A job stopped by the launcher is asked first, as a signal asks it: mpirun gets
+    /// SIGTERM (it forwards it to every rank), and the job's own ending is waited for.
+    #[test]
+    fn a_stopped_job_gets_sigterm_and_ends_on_its_own() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let ended = dir.path().join("ended");
+        let fake = format!(
+            "trap 'echo checkpointed > {e}; exit 130' TERM; echo '{s} 2 ranks' >&2; while true; do sleep 0.05; done",
+            e = ended.display(),
+            s = pipec_executor::MPI_STARTED
+        );
+        let cmd: Vec<String> = vec!["sh".into(), "-c".into(), fake];
+        let started = std::time::Instant::now();
+        let mut polls = 0;
+        let out = supervise(&cmd, &[], std::time::Duration::from_secs(60), "ssh", None, &mut || {
+            polls += 1;
+            polls > 3
+        });
+        assert!(out.stopped);
+        assert_eq!(std::fs::read_to_string(&ended).ok().as_deref(), Some("checkpointed\n"), "the trap ran");
+        assert!(started.elapsed() < STOP_WAIT, "ended on its own after {:?}", started.elapsed());
     }
 
     #[test]

@@ -256,7 +256,8 @@ fn a_host_unreachable_at_start_up_stops_the_launch_naming_it() {
 /// longer answers, plans again for host a alone (the spec's `straight` still applies) and
 /// resumes from the newest checkpoint; the steps from it equal a fresh resume of it on
 /// that plan. Then the link comes back: at the next checkpoint the launcher finds host b
-/// answering, stops the job and resumes it on both hosts, as a fresh resume of that
+/// answering, stops the job as a signal does (at a step boundary, with a checkpoint of
+/// it: no step is lost) and resumes it on both hosts, as a fresh resume of that
 /// checkpoint on the spec's own plan would.
 #[test]
 fn an_elastic_job_goes_on_without_a_host_that_was_cut_off_and_grows_when_it_returns() {
@@ -349,6 +350,7 @@ fn an_elastic_job_goes_on_without_a_host_that_was_cut_off_and_grows_when_it_retu
     assert!(stderr.contains("host 10.78.0.2 answered again"), "{stderr}");
     let regrown = grown["resume_step"].as_u64().expect("resume step") as usize;
     assert!(regrown > resumed, "{grown}");
+    assert_eq!(grown["steps_lost"].as_u64(), Some(0), "{grown}");
     assert_eq!(trained[resumed..regrown].to_vec(), again[..regrown - resumed].to_vec());
     // from the second checkpoint on, the spec's own two-device plan (in one process: the
     // threaded run equals MPI's)
