@@ -2867,8 +2867,8 @@ fn a_cpu_run_of_a_spec_with_an_inline_cpu_is_planned_for_this_machines_cached_ca
 /// The compile report says how many experts a device holds: with experts whole beside
 /// tensor parallelism (`etp: 1`, 4 replicas × 2 ranks one group of 8), one of the 8 on each
 /// device; split over the ranks (`ep: 2`), 4 a replica, halves on each rank. `pipec run`
-/// trains the whole experts; beside ZeRO it refuses them before it measures this machine's
-/// CPU for the spec's inline CPU device.
+/// trains the whole experts; over one replica's ranks (`ep` equal to `tp`) it refuses them
+/// before it measures this machine's CPU for the spec's inline CPU device.
 #[test]
 fn the_compile_report_counts_each_devices_experts_whole_or_split() {
     let dir = tempfile::tempdir().expect("tmp");
@@ -2917,15 +2917,15 @@ fn the_compile_report_counts_each_devices_experts_whole_or_split() {
                     assert_eq!(measured, plan.trim_end_matches(')'), "{line}");
                 }
             }
-            // beside ZeRO: refused before this machine's CPU is measured for the spec's
-            // inline CPU device (minutes, the first time: here an empty cache)
-            let sharded = dir.path().join("sharded.yaml");
-            std::fs::write(&sharded, std::fs::read_to_string(&spec).expect("spec").replace("  etp: 1\n", "  etp: 1\n  zero: 1\n"))
+            // over one replica's ranks: refused before this machine's CPU is measured for
+            // the spec's inline CPU device (minutes, the first time: here an empty cache)
+            let folded = dir.path().join("folded.yaml");
+            std::fs::write(&folded, std::fs::read_to_string(&spec).expect("spec").replace("  ep: 8\n", "  ep: 2\n"))
                 .expect("write");
-            let refused = run(&sharded, None);
+            let refused = run(&folded, None);
             let said = both_streams(&refused);
             assert_eq!(refused.status.code(), Some(1), "{said}");
-            assert!(said.contains("only without ZeRO yet"), "{said}");
+            assert!(said.contains("groups of two replicas or more"), "{said}");
             assert!(!said.contains("measuring this machine's CPU"), "{said}");
             assert!(!dir.path().join("cache").exists(), "nothing measured, nothing cached");
         }

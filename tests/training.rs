@@ -1925,8 +1925,12 @@ fn the_load_balancing_loss_and_biases_beside_tensor_parallel_experts_train_to_on
 /// replicas' tensor-parallel ranks, each rank sending its run of the microbatch's rows and
 /// the block's all-reduce summing the ranks' rows back. With the balancing loss and biases
 /// (every rank adds its own experts' biases), clipped by the global norm (each expert
-/// counted once, on its rank): one device's losses, balancing losses and tokens per expert;
-/// a checkpoint resumes on one device and back. Beside ZeRO it is refused by name.
+/// counted once, on its rank): one device's losses, balancing losses and tokens per expert.
+/// Beside ZeRO (levels 1–3) too: the dense parameters' state sharded over the stage's
+/// replicas at each rank, each device's experts' over the devices holding the same experts,
+/// every device holding the plan's figures. A checkpoint resumes on one device and back,
+/// with and without ZeRO. With `ep` equal to `tp` (one replica's ranks) it is refused by
+/// name.
 #[test]
 fn whole_experts_beside_tensor_parallelism_train_to_one_devices_numbers() {
     const WHOLE: &str = "- embedding(50, 16)\n    - repeat 2: transformer_block(d=16, heads=4, ff=32, causal=true, experts=4, top_k=2, shared_experts=1, aux_loss=0.05)\n    - rmsnorm\n    - flatten\n    - linear(256, 4)";
@@ -1942,25 +1946,51 @@ fn whole_experts_beside_tensor_parallelism_train_to_one_devices_numbers() {
         (4, "\"2\"\n  tp: 2\n  ep: 4\n  etp: 1\n  sequence_parallel: true", "gpipe"),
         (8, "\"4\"\n  tp: 2\n  ep: 4\n  etp: 1\n  sequence_parallel: true", "1f1b"),
         (8, "\"2-2\"\n  tp: 2\n  ep: 4\n  etp: 1\n  sequence_parallel: true", "1f1b"),
+        (4, "\"2\"\n  tp: 2\n  ep: 4\n  etp: 1\n  sequence_parallel: true\n  zero: 1", "gpipe"),
+        (8, "\"4\"\n  tp: 2\n  ep: 4\n  etp: 1\n  sequence_parallel: true\n  zero: 1", "1f1b"),
+        (8, "\"2-2\"\n  tp: 2\n  ep: 4\n  etp: 1\n  sequence_parallel: true\n  zero: 2", "1f1b"),
+        (4, "\"2\"\n  tp: 2\n  ep: 4\n  etp: 1\n  sequence_parallel: true\n  zero: 3", "gpipe"),
+        (8, "\"4\"\n  tp: 2\n  ep: 4\n  etp: 1\n  sequence_parallel: true\n  zero: 3", "1f1b"),
     ] {
         let p = clipped(job(devices, stages, schedule));
         assert!(p.schedule.whole_experts, "{stages}");
         let got = train(&p);
         assert_same_balancing(&reference, &got, stages);
+        // each device holds the plan's figures (values of 4 bytes; a shard's padding apart)
+        let near = |measured: u64, predicted: u64| measured.abs_diff(predicted) <= 64 + predicted / 100;
+        assert_eq!(got.held.len(), devices);
+        for (d, held) in &got.held {
+            let m = &p.devices[d.0 as usize].memory;
+            let (w, g, o) = (held.weights * 4, held.gradients * 4, held.optimizer * 4);
+            let fits = match p.schedule.sharding.level() {
+                // ZeRO-2: the shard, and at most the whole gradient of the last backward
+                // beside it (tests/zero.rs)
+                2 => near(w, m.weights) && g >= m.gradients && g <= m.weights + m.gradients && near(o, m.optimizer),
+                // ZeRO-3 drops the weights between steps and keeps their fp32 shard as the
+                // optimizer's master copy
+                3 => w < 1024 && near(o, m.weights + m.optimizer),
+                _ => near(w, m.weights) && near(g, m.gradients) && near(o, m.optimizer),
+            };
+            assert!(fits, "{stages} {d}: {held:?}, plan {m:?}");
+        }
     }
     resumes_both_ways(
         job(4, "\"2\"\n  tp: 2\n  ep: 4\n  etp: 1\n  sequence_parallel: true", "gpipe"),
         job(1, "\"1\"", "gpipe"),
     );
-    // refused: beside ZeRO, and over one replica's ranks (`ep` equal to `tp`)
-    for (devices, stages, said) in [
-        (4, "\"2\"\n  tp: 2\n  ep: 4\n  etp: 1\n  sequence_parallel: true\n  zero: 1", "only without ZeRO yet"),
-        (2, "\"1\"\n  tp: 2\n  ep: 2\n  etp: 1\n  sequence_parallel: true", "groups of two replicas or more"),
-    ] {
-        match pipec_executor::run(&plan(&job(devices, stages, "gpipe")), &RunOptions::default(), &mut |_| {}) {
-            Ok(_) => panic!("{stages} trained"),
-            Err(e) => assert!(e.to_string().contains(said), "{e}"),
-        }
+    resumes_both_ways(
+        job(8, "\"4\"\n  tp: 2\n  ep: 4\n  etp: 1\n  sequence_parallel: true\n  zero: 2", "1f1b"),
+        job(1, "\"1\"", "gpipe"),
+    );
+    resumes_both_ways(
+        job(4, "\"2\"\n  tp: 2\n  ep: 4\n  etp: 1\n  sequence_parallel: true\n  zero: 3", "gpipe"),
+        job(2, "\"2\"\n  ep: 2", "gpipe"),
+    );
+    // refused: over one replica's ranks (`ep` equal to `tp`)
+    let one_replica = job(2, "\"1\"\n  tp: 2\n  ep: 2\n  etp: 1\n  sequence_parallel: true", "gpipe");
+    match pipec_executor::run(&plan(&one_replica), &RunOptions::default(), &mut |_| {}) {
+        Ok(_) => panic!("whole experts over one replica's ranks trained"),
+        Err(e) => assert!(e.to_string().contains("groups of two replicas or more"), "{e}"),
     }
 }
 

@@ -183,6 +183,8 @@ pub fn join_saved(loaded: &mut checkpoint::Loaded, optimizer: &pipec_plan::plan:
     for (key, chunks) in std::mem::take(&mut loaded.zero) {
         groups.entry((key.stage, key.tp_rank)).or_default().push((key, chunks));
     }
+    // each (stage, tensor-parallel rank)'s whole shapes and joined optimizer items
+    let mut states: std::collections::BTreeMap<(u32, u32), JoinedState> = Default::default();
     for ((stage, tp_rank), shards) in groups {
         // every replica's items, by parameter: whole shape, chunk count, (chunk index, item)
         type Pieces = (Vec<usize>, u32, Vec<(u32, reshard::Item)>);
@@ -229,15 +231,64 @@ pub fn join_saved(loaded: &mut checkpoint::Loaded, optimizer: &pipec_plan::plan:
                 v.truncate(len);
                 Ok(v)
             })?;
-            joined.push((ParamId::from(pid), reshard::with_rank(whole, shape.len())?));
+            joined.push((pid, reshard::with_rank(whole, shape.len())?));
         }
-        let whole_shapes: Vec<(u64, Vec<usize>)> = shapes.into_iter().collect();
+        states.insert((stage, tp_rank), JoinedState { shapes, items: joined.into_iter().collect() });
+    }
+    if loaded.identity.as_ref().is_some_and(|i| i.whole_experts) {
+        share_whole_experts(&mut states, &mut loaded.params);
+    }
+    for ((stage, tp_rank), state) in states {
+        let whole_shapes: Vec<(u64, Vec<usize>)> = state.shapes.into_iter().collect();
+        let items: Vec<(ParamId, reshard::Item)> =
+            state.items.into_iter().map(|(id, i)| (ParamId::from(id), i)).collect();
         let mut whole = StageOptim::<C, StageModel<C>>::new(optimizer, &whole_shapes, Storage::default());
-        whole.load_items(joined, &dev).map_err(|e| bad(format!("stage {stage}: {e}")))?;
+        whole.load_items(items, &dev).map_err(|e| bad(format!("stage {stage}: {e}")))?;
         let bytes = whole.save().map_err(|e| bad(format!("stage {stage}: {e}")))?;
         loaded.optimizers.insert(checkpoint::ShardKey::whole(stage, tp_rank), bytes);
     }
     Ok(())
+}
+
+/// One (stage, tensor-parallel rank)'s joined state: every parameter's whole shape, and
+/// the optimizer's item of each it updates.
+struct JoinedState {
+    shapes: std::collections::BTreeMap<u64, Vec<usize>>,
+    items: std::collections::BTreeMap<u64, reshard::Item>,
+}
+
+/// Whole experts (`etp: 1`): a routed expert lives whole on one tensor-parallel rank, so
+/// the shards of that rank alone hold it. An unsharded stage's checkpoint holds every
+/// expert of its group at each rank (`crate::parallel::experts::join_experts`); the same
+/// here: a parameter one rank of a stage lacks is another rank's whole expert, copied to
+/// it with its optimizer state.
+fn share_whole_experts(
+    states: &mut std::collections::BTreeMap<(u32, u32), JoinedState>,
+    params: &mut pipec_plan::checkpoint::ParamValues,
+) {
+    let keys: Vec<(u32, u32)> = states.keys().copied().collect();
+    for &(stage, to) in &keys {
+        for &(_, from) in keys.iter().filter(|(s, r)| *s == stage && *r != to) {
+            let source: Vec<(u64, Vec<usize>, Option<reshard::Item>)> = {
+                let (held, there) = (&states[&(stage, to)], &states[&(stage, from)]);
+                there
+                    .shapes
+                    .iter()
+                    .filter(|(id, _)| !held.shapes.contains_key(id))
+                    .map(|(id, shape)| (*id, shape.clone(), there.items.get(id).cloned()))
+                    .collect()
+            };
+            for (id, shape, item) in source {
+                if let Some(values) = params.get(&(id, from)).cloned() {
+                    params.insert((id, to), values);
+                }
+                if let Some(state) = states.get_mut(&(stage, to)) {
+                    state.shapes.insert(id, shape);
+                    state.items.extend(item.map(|i| (id, i)));
+                }
+            }
+        }
+    }
 }
 
 /// A chunk's length: the whole parameter's values cut into `of` equal pieces.

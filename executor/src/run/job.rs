@@ -538,14 +538,6 @@ pub fn validate(plan: &Plan) -> Result<(), RunError> {
         }
     }
     block_recompute_runs_here(plan)?;
-    // whole experts (`etp: 1`) beside ZeRO: the shards' division of a member's experts is
-    // made for experts split like the block
-    if plan.schedule.whole_experts && plan.schedule.sharding != pipec_plan::vocab::Sharding::None {
-        return Err(RunError::setup(format!(
-            "the executor runs experts whole beside tensor parallelism (`etp: 1`) only without ZeRO yet (this plan has `zero: {}`)",
-            plan.schedule.sharding.level()
-        )));
-    }
     // (`ep` equal to `tp`: one replica's ranks, an expert group the plan does not make)
     let split = |s: &pipec_plan::plan::StagePlan| s.tensor_parallel.iter().any(|g| g.len() > 1);
     if plan.schedule.whole_experts && plan.stages.iter().any(|s| split(s) && s.expert_parallel <= 1) {
