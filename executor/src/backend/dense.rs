@@ -168,6 +168,14 @@ impl<I: Kernels, C: CheckpointStrategy> Kernels for Autodiff<I, C> {
         fused_backward::gated::<I, C>(up, gate)
     }
 
+    fn heads(x: FloatTensor<Self>, start: usize, heads: usize, size: usize) -> FloatTensor<Self> {
+        fused_backward::heads::<I, C>(x, start, heads, size)
+    }
+
+    fn place_heads(x: FloatTensor<Self>, width: usize, start: usize) -> FloatTensor<Self> {
+        fused_backward::place_heads::<I, C>(x, width, start)
+    }
+
     fn rotary(x: FloatTensor<Self>, r: &Arc<Rotation>) -> FloatTensor<Self> {
         fused_backward::rotary::<I, C>(x, r)
     }

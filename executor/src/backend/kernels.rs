@@ -174,6 +174,20 @@ pub trait Kernels: Backend {
         crate::backend::gated::gradients::<Self>(up, dy, gate)
     }
 
+    /// `heads` attention heads of `size` features from feature `start` of `x`
+    /// [b, s, width], head-major [b, heads, s, size] (by default a view on Burn's
+    /// operations, `crate::backend::heads`).
+    fn heads(x: FloatTensor<Self>, start: usize, heads: usize, size: usize) -> FloatTensor<Self> {
+        crate::backend::heads::take::<Self>(x, start, heads, size)
+    }
+
+    /// Heads `x` [b, heads, s, size] as features `start..start + heads·size` of zeros
+    /// [b, s, width]: [`Kernels::heads`]' gradient, and with the whole width the heads'
+    /// merge (by default on Burn's operations).
+    fn place_heads(x: FloatTensor<Self>, width: usize, start: usize) -> FloatTensor<Self> {
+        crate::backend::heads::place::<Self>(x, width, start)
+    }
+
     /// Queries or keys `x` [.., positions, dh] turned by the rotary embeddings' table `r`,
     /// by default on Burn's operations (`crate::backend::rotary`).
     fn rotary(x: FloatTensor<Self>, r: &Arc<Rotation>) -> FloatTensor<Self> {
@@ -386,6 +400,17 @@ impl Kernels for burn::backend::Flex {
             .unwrap_or_else(|| crate::backend::gated::gradients::<Self>(up, dy, gate))
     }
 
+    fn heads(x: FloatTensor<Self>, start: usize, heads: usize, size: usize) -> FloatTensor<Self> {
+        // one copy of rows (crate::backend::flex_heads), Burn's view for what it does not take
+        crate::backend::flex_heads::take(&x, start, heads, size)
+            .unwrap_or_else(|| crate::backend::heads::take::<Self>(x, start, heads, size))
+    }
+
+    fn place_heads(x: FloatTensor<Self>, width: usize, start: usize) -> FloatTensor<Self> {
+        crate::backend::flex_heads::place(&x, width, start)
+            .unwrap_or_else(|| crate::backend::heads::place::<Self>(x, width, start))
+    }
+
     fn rotary(x: FloatTensor<Self>, r: &Arc<Rotation>) -> FloatTensor<Self> {
         // fused (crate::backend::flex_rotary), Burn's operations for what it does not take
         crate::backend::flex_rotary::forward(&x, r).unwrap_or_else(|| crate::backend::rotary::forward::<Self>(x, r))
@@ -508,6 +533,19 @@ pub(crate) fn gated<B: Kernels, const D: usize>(up: Tensor<B, D>, gate: Gate) ->
 pub(crate) fn cross_entropy<B: Kernels>(logits: Tensor<B, 2>, labels: Vec<i64>) -> Tensor<B, 1> {
     let (loss, _) = B::cross_entropy(logits.into_primitive().tensor(), &Arc::new(labels));
     Tensor::from_primitive(TensorPrimitive::Float(loss))
+}
+
+/// [`Kernels::heads`] on tensors: `heads` heads of `size` from feature `start` of `x`
+/// [b, s, width], as [b, heads, s, size].
+pub(crate) fn heads<B: Kernels>(x: Tensor<B, 3>, start: usize, heads: usize, size: usize) -> Tensor<B, 4> {
+    Tensor::from_primitive(TensorPrimitive::Float(B::heads(x.into_primitive().tensor(), start, heads, size)))
+}
+
+/// Heads `x` [b, heads, s, size] merged into features [b, s, heads·size]
+/// ([`Kernels::place_heads`] over the whole width).
+pub(crate) fn merge_heads<B: Kernels>(x: Tensor<B, 4>) -> Tensor<B, 3> {
+    let [_, h, _, d] = x.dims();
+    Tensor::from_primitive(TensorPrimitive::Float(B::place_heads(x.into_primitive().tensor(), h * d, 0)))
 }
 
 /// [`Kernels::rotary`] on tensors.

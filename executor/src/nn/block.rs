@@ -187,9 +187,7 @@ impl<B: Kernels> Block<B> {
                 (h + kv) * dh + kv * vh
             )));
         }
-        let part = |start: usize, heads: usize, size: usize| {
-            qkv.clone().narrow(2, start, heads * size).reshape([b, s, heads, size]).swap_dims(1, 2)
-        };
+        let part = |start: usize, heads: usize, size: usize| kernels::heads(qkv.clone(), start, heads, size);
         let (mut q, mut k, mut v) = (part(0, h, dh), part(h * dh, kv, dh), part((h + kv) * dh, kv, vh));
         if let Some(n) = &self.q_norm {
             q = n.forward(q);
@@ -221,7 +219,7 @@ impl<B: Kernels> Block<B> {
             let mut ring = c.ring(s, self.causal, self.window, h / kv);
             ring.dropout = self.attention_dropout(side, h);
             let out = B::ring_attention(q, k, v, sinks, &ring)?;
-            return Ok(out.swap_dims(1, 2).reshape([b, s, h * vh]));
+            return Ok(kernels::merge_heads(out));
         }
         let keys = match context {
             Some(c) => {
@@ -248,7 +246,7 @@ impl<B: Kernels> Block<B> {
             let p = attention_weights(q, k, dh, causal.as_ref().map(|m| m.mask()), sinks);
             crate::backend::amp::matmul(crate::backend::kernels::dropped(p, &drop), v)
         };
-        Ok(context.swap_dims(1, 2).reshape([b, s, h * vh]))
+        Ok(kernels::merge_heads(context))
     }
 
     /// The MLP's activation on the up projection's output (gated: act(gate) ⊙ up,

@@ -1,9 +1,10 @@
 //! The fused kernels' autodiff nodes: attention's softmax, a gated MLP's activation, the
-//! rotary embeddings and the cross-entropy ([`Kernels::attention_softmax`],
-//! [`Kernels::gated`], [`Kernels::rotary`], [`Kernels::cross_entropy`] on `Autodiff`): the
-//! inner backend's forward and, in the backward, its gradient
+//! rotary embeddings, the attention heads taken out of the features and put back, and the
+//! cross-entropy ([`Kernels::attention_softmax`], [`Kernels::gated`], [`Kernels::rotary`],
+//! [`Kernels::heads`], [`Kernels::place_heads`], [`Kernels::cross_entropy`] on `Autodiff`):
+//! the inner backend's forward and, in the backward, its gradient
 //! ([`Kernels::attention_softmax_grad`], [`Kernels::gated_grads`], [`Kernels::rotary_grads`],
-//! [`Kernels::cross_entropy_grads`]).
+//! each other for the heads, [`Kernels::cross_entropy_grads`]).
 
 use std::sync::Arc;
 
@@ -14,7 +15,7 @@ use burn::backend::autodiff::ops::{unary, Backward, Ops};
 use burn::backend::autodiff::Autodiff;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{Tensor, TensorPrimitive};
+use burn::tensor::{Tensor, TensorMetadata, TensorPrimitive};
 
 use super::tracked;
 use crate::backend::gated::Gate;
@@ -86,6 +87,51 @@ impl<I: Kernels> Backward<I, 1> for RotaryBackward {
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
         let table = ops.state;
         unary::<I, _>(ops.parents, ops.node, grads, |dy| I::rotary_grads(dy, &table));
+    }
+}
+
+/// [`Kernels::heads`] on an autodiff backend: the features are the node's parent; its
+/// backward puts the heads' gradient back in their place ([`Kernels::place_heads`]).
+pub(super) fn heads<I: Kernels, C: CheckpointStrategy>(
+    x: FloatTensor<Autodiff<I, C>>,
+    start: usize,
+    heads: usize,
+    size: usize,
+) -> FloatTensor<Autodiff<I, C>> {
+    let width = x.primitive.shape().dims::<3>()[2];
+    let y = I::heads(x.primitive.clone(), start, heads, size);
+    tracked::<I, C, _, 1>(HeadsBackward::Taken { width, start }, [&x], || (), y)
+}
+
+/// [`Kernels::place_heads`] on an autodiff backend: its backward takes the heads' gradient
+/// out again ([`Kernels::heads`]).
+pub(super) fn place_heads<I: Kernels, C: CheckpointStrategy>(
+    x: FloatTensor<Autodiff<I, C>>,
+    width: usize,
+    start: usize,
+) -> FloatTensor<Autodiff<I, C>> {
+    let [_, heads, _, size] = x.primitive.shape().dims::<4>();
+    let y = I::place_heads(x.primitive.clone(), width, start);
+    tracked::<I, C, _, 1>(HeadsBackward::Placed { start, heads, size }, [&x], || (), y)
+}
+
+/// The backward of [`heads`] and [`place_heads`]: each is the other's gradient.
+#[derive(Debug)]
+enum HeadsBackward {
+    /// The heads were taken from features of `width` at `start`.
+    Taken { width: usize, start: usize },
+    /// `heads` heads of `size` were placed at feature `start`.
+    Placed { start: usize, heads: usize, size: usize },
+}
+
+impl<I: Kernels> Backward<I, 1> for HeadsBackward {
+    type State = ();
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        unary::<I, _>(ops.parents, ops.node, grads, |dy| match self {
+            HeadsBackward::Taken { width, start } => I::place_heads(dy, width, start),
+            HeadsBackward::Placed { start, heads, size } => I::heads(dy, start, heads, size),
+        });
     }
 }
 
