@@ -379,9 +379,10 @@ impl<'a> Mlps<'a> {
 
     fn function(&self) -> Function {
         match self.b.mlp {
-            MlpKind::Gelu | MlpKind::Geglu => Function::Gelu,
+            MlpKind::Gelu => Function::Gelu,
             MlpKind::GeluTanh => Function::GeluTanh,
-            MlpKind::Swiglu => Function::Silu,
+            MlpKind::Geglu => Function::GeluGated,
+            MlpKind::Swiglu => Function::SiluGated,
         }
     }
 

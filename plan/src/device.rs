@@ -107,6 +107,23 @@ pub struct Functions {
     pub silu_grad: f64,
     #[serde(default)]
     pub tanh_grad: f64,
+    /// A gated unit's activation act(gate)·up (SwiGLU's SiLU, GeGLU's GELU) as the backend
+    /// runs it (the CPU executor's one fused kernel), elements of its output per second,
+    /// and its gradient's (both halves'); 0: not measured — priced as the gate's function
+    /// over the output's elements.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub silu_gated: f64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub gelu_gated: f64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub silu_gated_grad: f64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub gelu_gated_grad: f64,
+}
+
+/// Whether a rate is absent (not measured): it is then left out of a device file.
+fn is_zero(rate: &f64) -> bool {
+    *rate == 0.0
 }
 
 impl Functions {
@@ -124,6 +141,10 @@ pub enum Function {
     GeluTanh,
     Silu,
     Tanh,
+    /// A gated unit's activation over its output's elements: SiLU's (SwiGLU), GELU's
+    /// (GeGLU).
+    SiluGated,
+    GeluGated,
 }
 
 /// One device as the cost model sees it.
@@ -462,8 +483,23 @@ impl DeviceModel {
             weight_gradient,
             data,
         } = self;
-        let Functions { exp, gelu, gelu_tanh, silu, tanh, gelu_grad, gelu_tanh_grad, silu_grad, tanh_grad } = functions;
+        let Functions {
+            exp,
+            gelu,
+            gelu_tanh,
+            silu,
+            tanh,
+            gelu_grad,
+            gelu_tanh_grad,
+            silu_grad,
+            tanh_grad,
+            silu_gated,
+            gelu_gated,
+            silu_gated_grad,
+            gelu_gated_grad,
+        } = functions;
         let mut rates = vec![vector, exp, gelu, gelu_tanh, silu, tanh, gelu_grad, gelu_tanh_grad, silu_grad, tanh_grad];
+        rates.extend([silu_gated, gelu_gated, silu_gated_grad, gelu_gated_grad]);
         rates.extend([product_traffic, memory_traffic].into_iter().flatten().map(|t| &mut t.bandwidth));
         if let Some(ProductFit { rate, half: _, traffic }) = weight_gradient {
             rates.extend([rate, &mut traffic.bandwidth]);
@@ -540,6 +576,10 @@ impl DeviceModel {
             f.gelu_tanh_grad,
             f.silu_grad,
             f.tanh_grad,
+            f.silu_gated,
+            f.gelu_gated,
+            f.silu_gated_grad,
+            f.gelu_gated_grad,
         ];
         if positive.iter().any(|v| v.is_nan() || *v <= 0.0) || non_negative.iter().any(|v| !v.is_finite() || *v < 0.0) {
             return Err(
@@ -677,8 +717,14 @@ impl DeviceModel {
             Function::GeluTanh => f.gelu_tanh,
             Function::Silu => f.silu,
             Function::Tanh => f.tanh,
+            Function::SiluGated => f.silu_gated,
+            Function::GeluGated => f.gelu_gated,
         };
-        self.at_rate(rate, elements, flops, bytes)
+        match (function, rate > 0.0) {
+            (Function::SiluGated, false) => self.function_time(Function::Silu, elements, flops, bytes),
+            (Function::GeluGated, false) => self.function_time(Function::Gelu, elements, flops, bytes),
+            _ => self.at_rate(rate, elements, flops, bytes),
+        }
     }
 
     /// Seconds of `function`'s gradient over `elements` values (`flops` in all), moving
@@ -692,9 +738,13 @@ impl DeviceModel {
             Function::GeluTanh => f.gelu_tanh_grad,
             Function::Silu => f.silu_grad,
             Function::Tanh => f.tanh_grad,
+            Function::SiluGated => f.silu_gated_grad,
+            Function::GeluGated => f.gelu_gated_grad,
         };
         match function {
             Function::Gelu | Function::GeluTanh if rate <= 0.0 => self.function_time(function, elements, flops, bytes),
+            Function::SiluGated if rate <= 0.0 => self.function_grad_time(Function::Silu, elements, flops, bytes),
+            Function::GeluGated if rate <= 0.0 => self.function_grad_time(Function::Gelu, elements, flops, bytes),
             _ => self.at_rate(rate, elements, flops, bytes),
         }
     }
@@ -1126,6 +1176,42 @@ mod tests {
         fast.run_faster(0.5);
         assert!(close(fast.vector, d.vector) && close(fast.launch, d.launch));
         assert!(close(fast.data.expect("kept").score, 2.5e-10) && close(fast.layer_pass.expect("kept"), 1e-5));
+    }
+
+    /// A gated unit's activation is priced at its own measured rates, forward and backward,
+    /// where a device file has them; without them, as its gate's function over the output's
+    /// elements (as before they were measured). A file without them reads, and a negative
+    /// one is refused.
+    #[test]
+    fn a_gated_activation_is_priced_at_its_own_rate_where_measured() {
+        let mut d = DeviceModel::uniform("cpu (pipec calibrate)", 1e9, 1e11);
+        d.memory_bandwidth = 1e12;
+        d.launch = 1e-6;
+        d.functions = Functions { silu: 2e8, silu_grad: 1e8, gelu: 5e7, ..Functions::default() };
+        let (n, flops, bytes) = (1e6, 12e6, 12e6);
+        let same = |a: f64, b: f64| (a - b).abs() <= 1e-15;
+        assert!(same(
+            d.function_time(Function::SiluGated, n, flops, bytes),
+            d.function_time(Function::Silu, n, flops, bytes)
+        ));
+        assert!(same(
+            d.function_grad_time(Function::SiluGated, n, flops, bytes),
+            d.function_grad_time(Function::Silu, n, flops, bytes)
+        ));
+        assert!(same(
+            d.function_time(Function::GeluGated, n, flops, bytes),
+            d.function_time(Function::Gelu, n, flops, bytes)
+        ));
+        let text = serde_json::to_string(&d).expect("json");
+        assert!(!text.contains("gated"), "unmeasured rates are left out: {text}");
+        d.functions.silu_gated = 4e7;
+        d.functions.silu_gated_grad = 2e7;
+        assert!(same(d.function_time(Function::SiluGated, n, flops, bytes), 1e-6 + n / 4e7));
+        assert!(same(d.function_grad_time(Function::SiluGated, n, flops, bytes), 1e-6 + n / 2e7));
+        let back = DeviceModel::from_json(&serde_json::to_string(&d).expect("json")).expect("reads back");
+        assert_eq!(back.functions, d.functions);
+        d.functions.gelu_gated_grad = -1.0;
+        assert!(DeviceModel::from_json(&serde_json::to_string(&d).expect("json")).is_err());
     }
 
     #[test]

@@ -23,6 +23,7 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Distribution, Tensor};
 use pipec_plan::device::{Curve, DeviceModel, Functions, MatrixRates, OptimizerRates, UpdateRate};
 
+use crate::backend::gated::Gate;
 use crate::backend::kernels::Kernels;
 
 /// One measured point: a kernel's size (FLOPs or bytes) and its median seconds.
@@ -233,6 +234,14 @@ pub fn calibrate<B: Kernels>(
     .into_iter()
     .map(|(name, seconds)| (name, Point { size: sweep.function_elements as f64, seconds }))
     .collect();
+    // a gated unit's activation as the executor runs it (`Kernels::gated`), by its output's
+    // elements: the gate's half of the input, then the up's
+    let mut functions = functions;
+    let both = Tensor::<B, 1>::random([2 * sweep.function_elements], Distribution::Uniform(-3.0, 3.0), device);
+    for (name, gate) in [("silu_gated", Gate::Silu), ("gelu_gated", Gate::Gelu)] {
+        let seconds = per_kernel(&|| Box::new(crate::backend::kernels::gated(both.clone(), gate)));
+        functions.push((name, Point { size: sweep.function_elements as f64, seconds }));
+    }
     fitted(name, memory, launch, products, adds, functions)
 }
 
@@ -268,6 +277,10 @@ pub fn function_rates(measured: &[(&str, Point)], launch: f64) -> Functions {
         gelu_tanh_grad: rate("gelu_tanh_grad"),
         silu_grad: rate("silu_grad"),
         tanh_grad: rate("tanh_grad"),
+        silu_gated: rate("silu_gated"),
+        gelu_gated: rate("gelu_gated"),
+        silu_gated_grad: rate("silu_gated_grad"),
+        gelu_gated_grad: rate("gelu_gated_grad"),
     }
 }
 
@@ -276,7 +289,7 @@ pub fn function_rates(measured: &[(&str, Point)], launch: f64) -> Functions {
 /// values: each the median time of the function's forward and backward, less its forward
 /// alone and less the same backward of the identity (the graph's walk, the gradient's
 /// seed and its registration), so that what is left is the gradient's kernels.
-pub fn function_gradients<B: AutodiffBackend>(
+pub fn function_gradients<B: AutodiffBackend + Kernels>(
     device: &B::Device,
     elements: usize,
     reps: usize,
@@ -298,17 +311,20 @@ pub fn function_gradients<B: AutodiffBackend>(
     };
     let identity = pass(&|t| t, true) - pass(&|t| t, false);
     type Function<'a, B> = &'a dyn Fn(Tensor<B, 1>) -> Tensor<B, 1>;
-    let functions: [(&'static str, Function<B>); 4] = [
-        ("gelu_grad", &|t| activation::gelu(t)),
-        ("gelu_tanh_grad", &|t| crate::nn::layers::gelu_tanh(t)),
-        ("silu_grad", &|t| activation::silu(t)),
-        ("tanh_grad", &|t| t.tanh()),
+    // (a gated unit's by its output's elements, half its input's: `Kernels::gated_grads`)
+    let functions: [(&'static str, Function<B>, usize); 6] = [
+        ("gelu_grad", &|t| activation::gelu(t), elements),
+        ("gelu_tanh_grad", &|t| crate::nn::layers::gelu_tanh(t), elements),
+        ("silu_grad", &|t| activation::silu(t), elements),
+        ("tanh_grad", &|t| t.tanh(), elements),
+        ("silu_gated_grad", &|t| crate::backend::kernels::gated(t, Gate::Silu), elements / 2),
+        ("gelu_gated_grad", &|t| crate::backend::kernels::gated(t, Gate::Gelu), elements / 2),
     ];
     functions
         .into_iter()
-        .map(|(name, f)| {
+        .map(|(name, f, size)| {
             let seconds = (pass(f, true) - pass(f, false) - identity).max(1e-9);
-            (name, Point { size: elements as f64, seconds })
+            (name, Point { size: size as f64, seconds })
         })
         .collect()
 }
@@ -683,7 +699,7 @@ pub fn cpu_name() -> String {
 /// timed pass, as a step adds them, where passes after the first update had made them apart;
 /// 5: the optimizer updates timed from memory out of the caches, [`EVICT_BYTES`]; 6: the
 /// products' compute and traffic combined by a fitted norm, `Traffic::norm`).
-const MEASURES: u32 = 6;
+const MEASURES: u32 = 7;
 
 /// The file under `dir` that keeps the calibration of `workers` workers on the CPU `cpu`
 /// (`pipec run`'s cache of this machine): named by FNV-1a of the CPU's name, the worker count,
