@@ -127,6 +127,46 @@ fn is_zero(rate: &f64) -> bool {
 }
 
 impl Functions {
+    /// Every rate, in the order of the fields.
+    pub fn rates(&self) -> [f64; 13] {
+        let mut f = *self;
+        f.rates_mut().map(|r| *r)
+    }
+
+    /// Every rate to set, in the order of the fields.
+    pub fn rates_mut(&mut self) -> [&mut f64; 13] {
+        let Functions {
+            exp,
+            gelu,
+            gelu_tanh,
+            silu,
+            tanh,
+            gelu_grad,
+            gelu_tanh_grad,
+            silu_grad,
+            tanh_grad,
+            silu_gated,
+            gelu_gated,
+            silu_gated_grad,
+            gelu_gated_grad,
+        } = self;
+        [
+            exp,
+            gelu,
+            gelu_tanh,
+            silu,
+            tanh,
+            gelu_grad,
+            gelu_tanh_grad,
+            silu_grad,
+            tanh_grad,
+            silu_gated,
+            gelu_gated,
+            silu_gated_grad,
+            gelu_gated_grad,
+        ]
+    }
+
     /// Whether nothing was measured.
     pub fn is_empty(&self) -> bool {
         *self == Functions::default()
@@ -483,23 +523,8 @@ impl DeviceModel {
             weight_gradient,
             data,
         } = self;
-        let Functions {
-            exp,
-            gelu,
-            gelu_tanh,
-            silu,
-            tanh,
-            gelu_grad,
-            gelu_tanh_grad,
-            silu_grad,
-            tanh_grad,
-            silu_gated,
-            gelu_gated,
-            silu_gated_grad,
-            gelu_gated_grad,
-        } = functions;
-        let mut rates = vec![vector, exp, gelu, gelu_tanh, silu, tanh, gelu_grad, gelu_tanh_grad, silu_grad, tanh_grad];
-        rates.extend([silu_gated, gelu_gated, silu_gated_grad, gelu_gated_grad]);
+        let mut rates = vec![vector];
+        rates.extend(functions.rates_mut());
         rates.extend([product_traffic, memory_traffic].into_iter().flatten().map(|t| &mut t.bandwidth));
         if let Some(ProductFit { rate, half: _, traffic }) = weight_gradient {
             rates.extend([rate, &mut traffic.bandwidth]);
@@ -558,29 +583,9 @@ impl DeviceModel {
         let d: DeviceModel = serde_json::from_str(text).map_err(|e| format!("not a device file: {e}"))?;
         let m = &d.matrix;
         let positive = [d.memory, m.fp32, d.vector, d.memory_bandwidth];
-        let f = &d.functions;
-        let non_negative = [
-            m.tf32,
-            m.bf16,
-            m.fp16,
-            m.fp8,
-            d.launch,
-            d.matrix_efficiency.half,
-            d.memory_efficiency.half,
-            f.exp,
-            f.gelu,
-            f.gelu_tanh,
-            f.silu,
-            f.tanh,
-            f.gelu_grad,
-            f.gelu_tanh_grad,
-            f.silu_grad,
-            f.tanh_grad,
-            f.silu_gated,
-            f.gelu_gated,
-            f.silu_gated_grad,
-            f.gelu_gated_grad,
-        ];
+        let mut non_negative =
+            vec![m.tf32, m.bf16, m.fp16, m.fp8, d.launch, d.matrix_efficiency.half, d.memory_efficiency.half];
+        non_negative.extend(d.functions.rates());
         if positive.iter().any(|v| v.is_nan() || *v <= 0.0) || non_negative.iter().any(|v| !v.is_finite() || *v < 0.0) {
             return Err(
                 "every figure must be positive (memory, fp32 and vector rates, bandwidth) or not negative".into()

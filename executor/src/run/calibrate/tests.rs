@@ -229,21 +229,7 @@ fn the_cpu_calibration_gives_a_device_file_the_front_end_reads() {
     // every element-wise function the cost model prices by its own rate was measured
     let f = d.functions;
     assert_eq!(c.functions.len(), 13);
-    let rates = [
-        f.exp,
-        f.gelu,
-        f.gelu_tanh,
-        f.silu,
-        f.tanh,
-        f.gelu_grad,
-        f.gelu_tanh_grad,
-        f.silu_grad,
-        f.tanh_grad,
-        f.silu_gated,
-        f.gelu_gated,
-        f.silu_gated_grad,
-        f.gelu_gated_grad,
-    ];
+    let rates = f.rates();
     assert!(rates.iter().all(|r| r.is_finite() && *r > 0.0), "{f:?}");
     // the products were fitted with their traffic beyond the cache, or the roofline
     // where that was closer: either way every figure is one a device file takes
