@@ -748,6 +748,35 @@ fn the_profile_counts_the_forwards_a_weight_version_serves() {
     assert!(async_.iter().all(|&n| n == 1), "{async_:?}");
 }
 
+/// `pipec profile` ends the last layer's passes, and the whole model's, with the model's
+/// loss on random targets (as the executor ends its last stage, and as the cost model prices
+/// the cross-entropy in the last layer); every other layer's with the sum of its output.
+#[test]
+fn the_profile_times_the_loss_with_the_last_layer() {
+    use pipec_executor::data::Targets;
+    use pipec_executor::profile::Reduce;
+    let lm = Job {
+        input: "[16]",
+        layers: "- embedding(20, 16) as tokens\n    - pos_embedding\n    - repeat 2: transformer_block(d=16, heads=2, ff=32, causal=true)\n    - layernorm\n    - linear(16, 20, bias=false, tie=tokens)",
+        ..Job::default()
+    };
+    for (p, rows, classes) in [(plan(&Job::default()), 1, 4), (plan(&lm), 16, 20)] {
+        let last = p.layers.len() - 1;
+        let (mb, out) = (p.training.microbatch_size, p.layers[last].output_shape.clone());
+        assert_eq!(out.last().copied(), Some(classes), "{out:?}");
+        for i in [last, p.layers.len()] {
+            match Reduce::of(&p, i) {
+                Reduce::Loss(pipec_plan::vocab::Loss::CrossEntropy, Targets::Classes(c)) => {
+                    assert_eq!(c.len(), mb * rows, "layer {i}");
+                    assert!(c.iter().all(|&k| (0..classes as i64).contains(&k)), "{c:?}");
+                }
+                other => panic!("layer {i}: {other:?}"),
+            }
+        }
+        assert!((0..last).all(|i| matches!(Reduce::of(&p, i), Reduce::Sum)));
+    }
+}
+
 #[test]
 fn pipedream_updates_after_every_microbatch() {
     // On one stage, PipeDream is SGD with one update per microbatch: step t's loss is the

@@ -14,6 +14,7 @@ use pipec_plan::Plan;
 
 use crate::backend::rng::Rng;
 use crate::error::ExecError;
+use crate::interp::data::Targets;
 use crate::interp::stage::StageOptim;
 use crate::interp::values::require_grad;
 use crate::nn::layers::{Act, StageGraph, StageModel};
@@ -48,6 +49,36 @@ fn sum<B: Backend>(a: &Act<B>) -> Option<Tensor<B, 1>> {
     }
 }
 
+/// What a timed pass reduces its output to before the backward: the sum (a layer inside
+/// the model), or the model's loss on random targets (the last layer and the whole model,
+/// as the executor ends its last stage: the loss's work is in their passes, as the cost
+/// model prices it in the last layer's).
+#[derive(Debug)]
+pub enum Reduce {
+    Sum,
+    Loss(pipec_plan::vocab::Loss, Targets),
+}
+
+impl Reduce {
+    /// Layer `i`'s of `plan` (`i` past the last layer: the whole model's), its targets drawn
+    /// once for a microbatch of the last layer's output.
+    pub fn of(plan: &Plan, i: usize) -> Reduce {
+        let Some(last) = plan.layers.last().filter(|_| i + 1 >= plan.layers.len()) else { return Reduce::Sum };
+        let (rows, classes) = match last.output_shape.split_last() {
+            Some((c, rest)) => (plan.training.microbatch_size * rest.iter().product::<usize>(), *c),
+            None => return Reduce::Sum,
+        };
+        let mut rng = Rng::keyed(&[98, rows as u64]);
+        let targets = match plan.model.loss {
+            pipec_plan::vocab::Loss::CrossEntropy => {
+                Targets::Classes((0..rows).map(|_| rng.below(classes.max(1) as u64) as i64).collect())
+            }
+            pipec_plan::vocab::Loss::Mse => Targets::Values(rng.normal_vec(rows * classes)),
+        };
+        Reduce::Loss(plan.model.loss, targets)
+    }
+}
+
 /// A layer's (or a model's) measured passes, in milliseconds.
 pub(crate) struct Passes {
     pub(crate) forward: f64,
@@ -67,7 +98,7 @@ pub(crate) fn time_passes<B: ExecBackend>(
     dev: &B::Device,
     optimizer: &pipec_plan::plan::OptimizerPlan,
     (warmup, reps, per_version): (usize, usize, usize),
-    what: &str,
+    (what, reduce): (&str, &Reduce),
     mut input: impl FnMut() -> Act<B>,
 ) -> Result<Passes, ExecError> {
     let (mut fwd, mut bwd, mut upd) = (Vec::new(), Vec::new(), Vec::new());
@@ -82,7 +113,10 @@ pub(crate) fn time_passes<B: ExecBackend>(
         let t0 = Instant::now();
         let mut side = crate::nn::layers::Collected { mask_key: Some((0, 0, r as u64)), ..Default::default() };
         let y = model.forward(x, true, &mut side)?;
-        let s = sum(&y).ok_or_else(|| ExecError::Shape(format!("{what} produced token ids")))?;
+        let s = match reduce {
+            Reduce::Sum => sum(&y).ok_or_else(|| ExecError::Shape(format!("{what} produced token ids")))?,
+            Reduce::Loss(loss, targets) => crate::interp::compute::loss_of(*loss, y, targets, dev)?,
+        };
         // make the forward really run before the clock stops (lazy backends)
         let _ = s.clone().into_scalar();
         let t1 = Instant::now();
@@ -181,7 +215,9 @@ pub fn profile_layers<B: ExecBackend>(
         let tokens = if layer.op.takes_token_ids() { plan.model.token_vocab } else { None };
         let params: usize = model.num_params();
         let per_version = forwards_per_version(plan, i);
-        let passes = time_passes(model, dev, &plan.training.optimizer, (warmup, reps, per_version), "a layer", || {
+        let reduce = Reduce::of(plan, i);
+        let counts = (warmup, reps, per_version);
+        let passes = time_passes(model, dev, &plan.training.optimizer, counts, ("a layer", &reduce), || {
             let parts: Vec<Act<B>> = shapes.iter().map(|shape| random_input::<B>(shape, tokens, dev)).collect();
             let x = Act::from_parts(parts);
             if i == 0 {
@@ -212,7 +248,9 @@ pub fn profile_layers<B: ExecBackend>(
     shape.extend(&plan.model.input);
     let tokens = plan.model.token_vocab;
     let per_version = forwards_per_version(plan, 0);
-    let whole = time_passes(whole, dev, &plan.training.optimizer, (warmup, reps, per_version), "the model", || {
+    let reduce = Reduce::of(plan, plan.layers.len());
+    let counts = (warmup, reps, per_version);
+    let whole = time_passes(whole, dev, &plan.training.optimizer, counts, ("the model", &reduce), || {
         random_input::<B>(&shape, tokens, dev)
     })?;
     let sums = |f: fn(&ProfiledLayer) -> f64| out.iter().map(f).sum::<f64>();

@@ -61,7 +61,7 @@ pub fn layer_products<B: crate::backend::kernels::ExecBackend>(
                 device,
                 &sgd,
                 (PER_VERSION, reps.max(PER_VERSION), PER_VERSION),
-                "a calibration stack",
+                ("a calibration stack", &crate::run::profile::Reduce::Sum),
                 input,
             )
             .map_err(|e| format!("timing {m}·{k}·{n} layers: {e}"))?;
