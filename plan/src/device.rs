@@ -119,6 +119,14 @@ pub struct Functions {
     pub silu_gated_grad: f64,
     #[serde(default, skip_serializing_if = "is_zero")]
     pub gelu_gated_grad: f64,
+    /// The cross-entropy over logits as the backend runs it (the CPU executor's one fused
+    /// kernel: the maximum, exponentials and their sum, the softmax kept), logits per
+    /// second, and its gradient's; 0: not measured — priced as `exp` over the logits, and
+    /// the gradient by its FLOPs and bytes.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub cross_entropy: f64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub cross_entropy_grad: f64,
 }
 
 /// Whether a rate is absent (not measured): it is then left out of a device file.
@@ -128,13 +136,13 @@ fn is_zero(rate: &f64) -> bool {
 
 impl Functions {
     /// Every rate, in the order of the fields.
-    pub fn rates(&self) -> [f64; 13] {
+    pub fn rates(&self) -> [f64; 15] {
         let mut f = *self;
         f.rates_mut().map(|r| *r)
     }
 
     /// Every rate to set, in the order of the fields.
-    pub fn rates_mut(&mut self) -> [&mut f64; 13] {
+    pub fn rates_mut(&mut self) -> [&mut f64; 15] {
         let Functions {
             exp,
             gelu,
@@ -149,6 +157,8 @@ impl Functions {
             gelu_gated,
             silu_gated_grad,
             gelu_gated_grad,
+            cross_entropy,
+            cross_entropy_grad,
         } = self;
         [
             exp,
@@ -164,6 +174,8 @@ impl Functions {
             gelu_gated,
             silu_gated_grad,
             gelu_gated_grad,
+            cross_entropy,
+            cross_entropy_grad,
         ]
     }
 
@@ -185,6 +197,9 @@ pub enum Function {
     /// (GeGLU).
     SiluGated,
     GeluGated,
+    /// The cross-entropy over logits (its forward: the softmax and the loss; its gradient:
+    /// the softmax minus the one-hot target).
+    CrossEntropy,
 }
 
 /// One device as the cost model sees it.
@@ -724,10 +739,12 @@ impl DeviceModel {
             Function::Tanh => f.tanh,
             Function::SiluGated => f.silu_gated,
             Function::GeluGated => f.gelu_gated,
+            Function::CrossEntropy => f.cross_entropy,
         };
         match (function, rate > 0.0) {
             (Function::SiluGated, false) => self.function_time(Function::Silu, elements, flops, bytes),
             (Function::GeluGated, false) => self.function_time(Function::Gelu, elements, flops, bytes),
+            (Function::CrossEntropy, false) => self.function_time(Function::Exp, elements, flops, bytes),
             _ => self.at_rate(rate, elements, flops, bytes),
         }
     }
@@ -745,6 +762,7 @@ impl DeviceModel {
             Function::Tanh => f.tanh_grad,
             Function::SiluGated => f.silu_gated_grad,
             Function::GeluGated => f.gelu_gated_grad,
+            Function::CrossEntropy => f.cross_entropy_grad,
         };
         match function {
             Function::Gelu | Function::GeluTanh if rate <= 0.0 => self.function_time(function, elements, flops, bytes),
@@ -1183,10 +1201,10 @@ mod tests {
         assert!(close(fast.data.expect("kept").score, 2.5e-10) && close(fast.layer_pass.expect("kept"), 1e-5));
     }
 
-    /// A gated unit's activation is priced at its own measured rates, forward and backward,
-    /// where a device file has them; without them, as its gate's function over the output's
-    /// elements (as before they were measured). A file without them reads, and a negative
-    /// one is refused.
+    /// A gated unit's activation, and the cross-entropy, are priced at their own measured
+    /// rates, forward and backward, where a device file has them; without them, as before
+    /// they were measured (the gate's function over the output's elements; `exp` over the
+    /// logits). A file without them reads, and a negative one is refused.
     #[test]
     fn a_gated_activation_is_priced_at_its_own_rate_where_measured() {
         let mut d = DeviceModel::uniform("cpu (pipec calibrate)", 1e9, 1e11);
@@ -1213,6 +1231,19 @@ mod tests {
         d.functions.silu_gated_grad = 2e7;
         assert!(same(d.function_time(Function::SiluGated, n, flops, bytes), 1e-6 + n / 4e7));
         assert!(same(d.function_grad_time(Function::SiluGated, n, flops, bytes), 1e-6 + n / 2e7));
+        // the cross-entropy likewise: unmeasured, `exp` over the logits and its gradient by
+        // FLOPs and bytes; measured, at its rates
+        let e = Functions { exp: 4e8, ..d.functions };
+        d.functions = e;
+        assert!(same(
+            d.function_time(Function::CrossEntropy, n, flops, bytes),
+            d.function_time(Function::Exp, n, flops, bytes)
+        ));
+        assert!(same(d.function_grad_time(Function::CrossEntropy, n, flops, bytes), d.vector_time(flops, bytes)));
+        d.functions.cross_entropy = 2e8;
+        d.functions.cross_entropy_grad = 5e8;
+        assert!(same(d.function_time(Function::CrossEntropy, n, flops, bytes), 1e-6 + n / 2e8));
+        assert!(same(d.function_grad_time(Function::CrossEntropy, n, flops, bytes), 1e-6 + n / 5e8));
         let back = DeviceModel::from_json(&serde_json::to_string(&d).expect("json")).expect("reads back");
         assert_eq!(back.functions, d.functions);
         d.functions.gelu_gated_grad = -1.0;

@@ -241,6 +241,12 @@ pub fn calibrate<B: Kernels>(
         let seconds = per_kernel(&|| Box::new(crate::backend::kernels::gated(both.clone(), gate)));
         functions.push((name, Point { size: sweep.function_elements as f64, seconds }));
     }
+    // the cross-entropy as the executor runs it (`Kernels::cross_entropy`), by its logits
+    let (rows, classes) = loss_shape(sweep.function_elements);
+    let logits = x.clone().reshape([rows, classes]);
+    let labels: Vec<i64> = (0..rows).map(|r| (r * 7 % classes) as i64).collect();
+    let seconds = per_kernel(&|| Box::new(crate::backend::kernels::cross_entropy(logits.clone(), labels.clone())));
+    functions.push(("cross_entropy", Point { size: (rows * classes) as f64, seconds }));
     fitted(name, memory, launch, products, adds, functions)
 }
 

@@ -32,6 +32,8 @@ pub fn function_rates(measured: &[(&str, Point)], launch: f64) -> Functions {
         gelu_gated: rate("gelu_gated"),
         silu_gated_grad: rate("silu_gated_grad"),
         gelu_gated_grad: rate("gelu_gated_grad"),
+        cross_entropy: rate("cross_entropy"),
+        cross_entropy_grad: rate("cross_entropy_grad"),
     }
 }
 
@@ -71,11 +73,27 @@ pub fn function_gradients<B: AutodiffBackend + Kernels>(
         ("silu_gated_grad", &|t| crate::backend::kernels::gated(t, Gate::Silu), elements / 2),
         ("gelu_gated_grad", &|t| crate::backend::kernels::gated(t, Gate::Gelu), elements / 2),
     ];
-    functions
+    let mut out: Vec<(&'static str, Point)> = functions
         .into_iter()
         .map(|(name, f, size)| {
             let seconds = (pass(f, true) - pass(f, false) - identity).max(1e-9);
             (name, Point { size: size as f64, seconds })
         })
-        .collect()
+        .collect();
+    // the cross-entropy's by its logits, rows of `classes`, each row's class fixed: its
+    // output is one value, so its backward is the logits' gradient alone, with no seed of
+    // the input's size to take off (the identity's)
+    let (rows, classes) = loss_shape(elements);
+    let labels: Vec<i64> = (0..rows).map(|r| (r * 7 % classes) as i64).collect();
+    let loss = |t: Tensor<B, 1>| crate::backend::kernels::cross_entropy(t.reshape([rows, classes]), labels.clone());
+    let seconds = (pass(&loss, true) - pass(&loss, false)).max(1e-9);
+    out.push(("cross_entropy_grad", Point { size: (rows * classes) as f64, seconds }));
+    out
+}
+
+/// The cross-entropy's logits timed on `elements` values: rows of 1,024 classes (fewer
+/// when there are fewer values), as many rows as fill them.
+pub fn loss_shape(elements: usize) -> (usize, usize) {
+    let classes = elements.clamp(1, 1024);
+    (elements / classes, classes)
 }

@@ -82,10 +82,13 @@ fn the_executors_attention_is_timed_forward_and_backward() {
 fn a_functions_gradient_is_timed_beyond_its_forward() {
     let g = function_gradients::<crate::backend::CpuBackend>(&Default::default(), 4096, 3);
     let names: Vec<&str> = g.iter().map(|(n, _)| *n).collect();
-    assert_eq!(names, ["gelu_grad", "gelu_tanh_grad", "silu_grad", "tanh_grad", "silu_gated_grad", "gelu_gated_grad"]);
-    // a gated unit's by its output's elements, half its input's
+    let want = ["gelu_grad", "gelu_tanh_grad", "silu_grad", "tanh_grad", "silu_gated_grad", "gelu_gated_grad"];
+    assert_eq!(names, [&want[..], &["cross_entropy_grad"]].concat());
+    // a gated unit's by its output's elements, half its input's; the loss's by its logits
     let sizes: Vec<f64> = g.iter().map(|(_, p)| p.size).collect();
-    assert_eq!(sizes, [4096.0, 4096.0, 4096.0, 4096.0, 2048.0, 2048.0]);
+    assert_eq!(sizes, [4096.0, 4096.0, 4096.0, 4096.0, 2048.0, 2048.0, 4096.0]);
+    assert_eq!(loss_shape(4096), (4, 1024));
+    assert_eq!(loss_shape(100), (1, 100));
     assert!(g.iter().all(|(_, p)| p.seconds > 0.0 && p.seconds.is_finite()), "{g:?}");
     let f = function_rates(&g, 0.0);
     assert!(f.gelu_grad > 0.0 && f.tanh_grad > 0.0 && f.silu_gated_grad > 0.0 && f.gelu == 0.0, "{f:?}");
@@ -228,7 +231,7 @@ fn the_cpu_calibration_gives_a_device_file_the_front_end_reads() {
     assert_eq!(c.adds.len(), Sweep::CPU.adds.len());
     // every element-wise function the cost model prices by its own rate was measured
     let f = d.functions;
-    assert_eq!(c.functions.len(), 13);
+    assert_eq!(c.functions.len(), 15);
     let rates = f.rates();
     assert!(rates.iter().all(|r| r.is_finite() && *r > 0.0), "{f:?}");
     // the products were fitted with their traffic beyond the cache, or the roofline
