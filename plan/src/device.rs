@@ -202,6 +202,21 @@ pub enum Function {
     CrossEntropy,
 }
 
+impl Function {
+    /// What a kernel measured as one piece is priced as on a device that has not measured
+    /// it: a gated unit's activation as its gate's function, the cross-entropy as `exp`
+    /// over the logits (and its gradient as `exp`'s, by FLOPs and bytes); None for the
+    /// functions themselves.
+    fn unmeasured(self) -> Option<Function> {
+        match self {
+            Function::SiluGated => Some(Function::Silu),
+            Function::GeluGated => Some(Function::Gelu),
+            Function::CrossEntropy => Some(Function::Exp),
+            Function::Exp | Function::Gelu | Function::GeluTanh | Function::Silu | Function::Tanh => None,
+        }
+    }
+}
+
 /// One device as the cost model sees it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -741,11 +756,9 @@ impl DeviceModel {
             Function::GeluGated => f.gelu_gated,
             Function::CrossEntropy => f.cross_entropy,
         };
-        match (function, rate > 0.0) {
-            (Function::SiluGated, false) => self.function_time(Function::Silu, elements, flops, bytes),
-            (Function::GeluGated, false) => self.function_time(Function::Gelu, elements, flops, bytes),
-            (Function::CrossEntropy, false) => self.function_time(Function::Exp, elements, flops, bytes),
-            _ => self.at_rate(rate, elements, flops, bytes),
+        match function.unmeasured().filter(|_| rate <= 0.0) {
+            Some(f) => self.function_time(f, elements, flops, bytes),
+            None => self.at_rate(rate, elements, flops, bytes),
         }
     }
 
@@ -764,10 +777,11 @@ impl DeviceModel {
             Function::GeluGated => f.gelu_gated_grad,
             Function::CrossEntropy => f.cross_entropy_grad,
         };
+        if let Some(f) = function.unmeasured().filter(|_| rate <= 0.0) {
+            return self.function_grad_time(f, elements, flops, bytes);
+        }
         match function {
             Function::Gelu | Function::GeluTanh if rate <= 0.0 => self.function_time(function, elements, flops, bytes),
-            Function::SiluGated if rate <= 0.0 => self.function_grad_time(Function::Silu, elements, flops, bytes),
-            Function::GeluGated if rate <= 0.0 => self.function_grad_time(Function::Gelu, elements, flops, bytes),
             _ => self.at_rate(rate, elements, flops, bytes),
         }
     }

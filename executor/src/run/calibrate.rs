@@ -223,7 +223,7 @@ pub fn calibrate<B: Kernels>(
     let x = Tensor::<B, 1>::random([sweep.function_elements], Distribution::Uniform(-3.0, 3.0), device);
     let time = |f: &dyn Fn(Tensor<B, 1>) -> Tensor<B, 1>| per_kernel(&|| Box::new(f(x.clone())));
     use burn::tensor::activation;
-    let functions: Vec<(&'static str, Point)> = [
+    let mut functions: Vec<(&'static str, Point)> = [
         ("exp", time(&|t| t.exp())),
         ("gelu", time(&|t| activation::gelu(t))),
         ("gelu_tanh", time(&|t| crate::nn::layers::gelu_tanh(t))),
@@ -235,16 +235,14 @@ pub fn calibrate<B: Kernels>(
     .collect();
     // a gated unit's activation as the executor runs it (`Kernels::gated`), by its output's
     // elements: the gate's half of the input, then the up's
-    let mut functions = functions;
     let both = Tensor::<B, 1>::random([2 * sweep.function_elements], Distribution::Uniform(-3.0, 3.0), device);
     for (name, gate) in [("silu_gated", Gate::Silu), ("gelu_gated", Gate::Gelu)] {
         let seconds = per_kernel(&|| Box::new(crate::backend::kernels::gated(both.clone(), gate)));
         functions.push((name, Point { size: sweep.function_elements as f64, seconds }));
     }
     // the cross-entropy as the executor runs it (`Kernels::cross_entropy`), by its logits
-    let (rows, classes) = loss_shape(sweep.function_elements);
+    let (rows, classes, labels) = loss_case(sweep.function_elements);
     let logits = x.clone().reshape([rows, classes]);
-    let labels: Vec<i64> = (0..rows).map(|r| (r * 7 % classes) as i64).collect();
     let seconds = per_kernel(&|| Box::new(crate::backend::kernels::cross_entropy(logits.clone(), labels.clone())));
     functions.push(("cross_entropy", Point { size: (rows * classes) as f64, seconds }));
     fitted(name, memory, launch, products, adds, functions)
@@ -635,7 +633,9 @@ pub fn cpu_name() -> String {
 /// [`weight_gradient`]; 4: the layers' weight gradients added into their sums in every
 /// timed pass, as a step adds them, where passes after the first update had made them apart;
 /// 5: the optimizer updates timed from memory out of the caches, [`EVICT_BYTES`]; 6: the
-/// products' compute and traffic combined by a fitted norm, `Traffic::norm`).
+/// products' compute and traffic combined by a fitted norm, `Traffic::norm`; 7: a gated
+/// unit's activation and the cross-entropy timed as the executor runs them, with their
+/// gradients).
 const MEASURES: u32 = 7;
 
 /// The file under `dir` that keeps the calibration of `workers` workers on the CPU `cpu`

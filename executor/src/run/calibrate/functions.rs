@@ -83,17 +83,17 @@ pub fn function_gradients<B: AutodiffBackend + Kernels>(
     // the cross-entropy's by its logits, rows of `classes`, each row's class fixed: its
     // output is one value, so its backward is the logits' gradient alone, with no seed of
     // the input's size to take off (the identity's)
-    let (rows, classes) = loss_shape(elements);
-    let labels: Vec<i64> = (0..rows).map(|r| (r * 7 % classes) as i64).collect();
+    let (rows, classes, labels) = loss_case(elements);
     let loss = |t: Tensor<B, 1>| crate::backend::kernels::cross_entropy(t.reshape([rows, classes]), labels.clone());
     let seconds = (pass(&loss, true) - pass(&loss, false)).max(1e-9);
     out.push(("cross_entropy_grad", Point { size: (rows * classes) as f64, seconds }));
     out
 }
 
-/// The cross-entropy's logits timed on `elements` values: rows of 1,024 classes (fewer
-/// when there are fewer values), as many rows as fill them.
-pub fn loss_shape(elements: usize) -> (usize, usize) {
+/// The cross-entropy timed on `elements` values: rows of 1,024 classes (fewer when there
+/// are fewer values), as many rows as fill them, and each row's class (spread over them).
+pub fn loss_case(elements: usize) -> (usize, usize, Vec<i64>) {
     let classes = elements.clamp(1, 1024);
-    (elements / classes, classes)
+    let rows = elements / classes;
+    (rows, classes, (0..rows).map(|r| (r * 7 % classes) as i64).collect())
 }

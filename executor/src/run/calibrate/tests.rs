@@ -87,8 +87,13 @@ fn a_functions_gradient_is_timed_beyond_its_forward() {
     // a gated unit's by its output's elements, half its input's; the loss's by its logits
     let sizes: Vec<f64> = g.iter().map(|(_, p)| p.size).collect();
     assert_eq!(sizes, [4096.0, 4096.0, 4096.0, 4096.0, 2048.0, 2048.0, 4096.0]);
-    assert_eq!(loss_shape(4096), (4, 1024));
-    assert_eq!(loss_shape(100), (1, 100));
+    let shape = |n: usize| {
+        let (rows, classes, labels) = loss_case(n);
+        assert!(labels.len() == rows && labels.iter().all(|&c| (0..classes as i64).contains(&c)), "{labels:?}");
+        (rows, classes)
+    };
+    assert_eq!(shape(4096), (4, 1024));
+    assert_eq!(shape(100), (1, 100));
     assert!(g.iter().all(|(_, p)| p.seconds > 0.0 && p.seconds.is_finite()), "{g:?}");
     let f = function_rates(&g, 0.0);
     assert!(f.gelu_grad > 0.0 && f.tanh_grad > 0.0 && f.silu_gated_grad > 0.0 && f.gelu == 0.0, "{f:?}");
