@@ -164,6 +164,10 @@ impl<I: Kernels, C: CheckpointStrategy> Kernels for Autodiff<I, C> {
         norm_backward::row_norm::<I, C>(x, gamma, beta, eps)
     }
 
+    fn erf_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        fused_backward::erf_gelu::<I, C>(x)
+    }
+
     fn gated(up: FloatTensor<Self>, gate: Gate) -> FloatTensor<Self> {
         fused_backward::gated::<I, C>(up, gate)
     }

@@ -7,9 +7,9 @@
 //! logits a microbatch, 2-core Xeon) the last stage's forward took 1.89 ms a microbatch in
 //! `pipec run`'s trace against 1.26 ms for its layers alone in `pipec profile`, where the
 //! loss is priced as one pass of exponentials, 0.27 ms (docs/benchmarks.md). Here the
-//! forward reads each row for its maximum, then writes its exponentials (its softmax once
-//! divided by their sum, kept for the backward); the backward writes softmax − onehot,
-//! scaled, in one pass. The sums run in `f64`, in another order than Burn's (the loss equal
+//! forward reads each row for its maximum, then writes its exponentials (`flex_exp`'s,
+//! vectorized; its softmax once divided by their sum, kept for the backward); the backward
+//! writes softmax − onehot, scaled, in one pass. The sums run in `f64`, in another order than Burn's (the loss equal
 //! within float rounding, tested); every layout of a plan runs this kernel, so pipelines
 //! still train to the single device's numbers.
 
@@ -43,7 +43,8 @@ pub(crate) fn forward(logits: &FlexTensor, labels: &[i64]) -> Option<(FlexTensor
     for (row, &y) in xs.chunks_exact(c).zip(&classes) {
         let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let start = probs.len();
-        probs.extend(row.iter().map(|&v| (v - m).exp()));
+        probs.extend_from_slice(row);
+        crate::backend::flex_exp::exp_shifted(&mut probs[start..], m, crate::backend::flex_exp::EXP_UNDERFLOW);
         let sum: f64 = probs[start..].iter().map(|&e| f64::from(e)).sum();
         let inv = (1.0 / sum) as f32;
         for p in &mut probs[start..] {

@@ -5,7 +5,7 @@
 
 use burn::backend::autodiff::NodeId;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::ops::{ConvOptions, FloatTensor, FloatTensorOps, IntTensor, ModuleOps};
+use burn::tensor::ops::{ActivationOps, ConvOptions, FloatTensor, FloatTensorOps, IntTensor, ModuleOps};
 use burn::tensor::{Tensor, TensorPrimitive};
 
 use std::sync::Arc;
@@ -159,6 +159,17 @@ pub trait Kernels: Backend {
         beta: bool,
     ) -> RowNormGrads<Self> {
         crate::backend::row_norm::gradients::<Self>(x, gamma, stats, dy, beta)
+    }
+
+    /// GELU in its exact form, x·Φ(x), by default Burn's (`ActivationOps::gelu`).
+    fn erf_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        <Self as ActivationOps<Self>>::gelu(x)
+    }
+
+    /// [`Kernels::erf_gelu`]'s gradient from its output's gradient `dy`, by default Burn's
+    /// (`ActivationOps::gelu_backward`).
+    fn erf_gelu_grad(x: FloatTensor<Self>, dy: FloatTensor<Self>) -> FloatTensor<Self> {
+        <Self as ActivationOps<Self>>::gelu_backward(x, dy)
     }
 
     /// A gated MLP's activation act(gate)·up of the up projection's output `up` (its last
@@ -389,6 +400,16 @@ impl Kernels for burn::backend::Flex {
             .unwrap_or_else(|| crate::backend::row_norm::gradients::<Self>(x, gamma, stats, dy, beta))
     }
 
+    fn erf_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        // vectorized (crate::backend::flex_gelu), Burn's for what it does not take
+        crate::backend::flex_gelu::forward(&x).unwrap_or_else(|| <Self as ActivationOps<Self>>::gelu(x))
+    }
+
+    fn erf_gelu_grad(x: FloatTensor<Self>, dy: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::backend::flex_gelu::gradients(&x, &dy)
+            .unwrap_or_else(|| <Self as ActivationOps<Self>>::gelu_backward(x, dy))
+    }
+
     fn gated(up: FloatTensor<Self>, gate: Gate) -> FloatTensor<Self> {
         // fused (crate::backend::flex_gated), Burn's operations for what it does not take
         crate::backend::flex_gated::forward(&up, gate)
@@ -521,6 +542,11 @@ pub(crate) fn row_norm<B: Kernels, const D: usize>(
     let p = |t: Tensor<B, 1>| t.into_primitive().tensor();
     let (y, _) = B::row_norm(x.into_primitive().tensor(), p(gamma), beta.map(p), eps);
     Tensor::from_primitive(TensorPrimitive::Float(y))
+}
+
+/// [`Kernels::erf_gelu`] on tensors.
+pub(crate) fn erf_gelu<B: Kernels, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(B::erf_gelu(x.into_primitive().tensor())))
 }
 
 /// [`Kernels::gated`] on tensors.

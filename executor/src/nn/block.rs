@@ -253,7 +253,7 @@ impl<B: Kernels> Block<B> {
     /// [`Kernels::gated`]).
     pub(crate) fn activate(&self, up: Tensor<B, 3>) -> Tensor<B, 3> {
         match self.mlp {
-            MlpKind::Gelu => activation::gelu(up),
+            MlpKind::Gelu => kernels::erf_gelu(up),
             MlpKind::GeluTanh => gelu_tanh(up),
             MlpKind::Swiglu => kernels::gated(up, Gate::Silu),
             MlpKind::Geglu => kernels::gated(up, Gate::Gelu),

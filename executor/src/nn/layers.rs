@@ -429,7 +429,7 @@ fn elementwise<B: Backend>(x: Act<B>, f: impl Fn(Tensor<B, 2>) -> Tensor<B, 2>) 
 pub(crate) fn stateless<B: Kernels>(op: &Op, index: usize, x: Act<B>, side: &Collected<B>) -> Result<Act<B>> {
     match *op {
         Op::Relu => elementwise(x, activation::relu),
-        Op::Gelu => elementwise(x, activation::gelu),
+        Op::Gelu => elementwise(x, crate::backend::kernels::erf_gelu),
         Op::GeluTanh => elementwise(x, gelu_tanh),
         Op::Tanh => elementwise(x, activation::tanh),
         Op::Sigmoid => elementwise(x, activation::sigmoid),

@@ -225,7 +225,7 @@ pub fn calibrate<B: Kernels>(
     use burn::tensor::activation;
     let mut functions: Vec<(&'static str, Point)> = [
         ("exp", time(&|t| t.exp())),
-        ("gelu", time(&|t| activation::gelu(t))),
+        ("gelu", time(&|t| crate::backend::kernels::erf_gelu(t))),
         ("gelu_tanh", time(&|t| crate::nn::layers::gelu_tanh(t))),
         ("silu", time(&|t| activation::silu(t))),
         ("tanh", time(&|t| t.tanh())),
@@ -635,8 +635,9 @@ pub fn cpu_name() -> String {
 /// 5: the optimizer updates timed from memory out of the caches, [`EVICT_BYTES`]; 6: the
 /// products' compute and traffic combined by a fitted norm, `Traffic::norm`; 7: a gated
 /// unit's activation and the cross-entropy timed as the executor runs them, with their
-/// gradients).
-const MEASURES: u32 = 7;
+/// gradients; 8: the kernels it times changed speed, their exponentials and GELU vectorized,
+/// `crate::backend::flex_exp`, GELU timed as the executor runs it, `Kernels::erf_gelu`).
+const MEASURES: u32 = 8;
 
 /// The file under `dir` that keeps the calibration of `workers` workers on the CPU `cpu`
 /// (`pipec run`'s cache of this machine): named by FNV-1a of the CPU's name, the worker count,

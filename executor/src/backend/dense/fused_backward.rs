@@ -1,10 +1,11 @@
-//! The fused kernels' autodiff nodes: attention's softmax, a gated MLP's activation, the
-//! rotary embeddings, the attention heads taken out of the features and put back, and the
-//! cross-entropy ([`Kernels::attention_softmax`], [`Kernels::gated`], [`Kernels::rotary`],
-//! [`Kernels::heads`], [`Kernels::place_heads`], [`Kernels::cross_entropy`] on `Autodiff`):
-//! the inner backend's forward and, in the backward, its gradient
-//! ([`Kernels::attention_softmax_grad`], [`Kernels::gated_grads`], [`Kernels::rotary_grads`],
-//! each other for the heads, [`Kernels::cross_entropy_grads`]).
+//! The fused kernels' autodiff nodes: attention's softmax, GELU, a gated MLP's activation,
+//! the rotary embeddings, the attention heads taken out of the features and put back, and
+//! the cross-entropy ([`Kernels::attention_softmax`], [`Kernels::erf_gelu`],
+//! [`Kernels::gated`], [`Kernels::rotary`], [`Kernels::heads`], [`Kernels::place_heads`],
+//! [`Kernels::cross_entropy`] on `Autodiff`): the inner backend's forward and, in the
+//! backward, its gradient ([`Kernels::attention_softmax_grad`], [`Kernels::erf_gelu_grad`],
+//! [`Kernels::gated_grads`], [`Kernels::rotary_grads`], each other for the heads,
+//! [`Kernels::cross_entropy_grads`]).
 
 use std::sync::Arc;
 
@@ -39,6 +40,28 @@ impl<I: Kernels> Backward<I, 1> for SoftmaxBackward {
         unary::<I, _>(ops.parents, ops.node, grads, |dp| {
             I::attention_softmax_grad(t(p), t(dp), dh).into_primitive().tensor()
         });
+    }
+}
+
+/// [`Kernels::erf_gelu`] on an autodiff backend: its input is the node's parent, and what
+/// it keeps.
+pub(super) fn erf_gelu<I: Kernels, C: CheckpointStrategy>(
+    x: FloatTensor<Autodiff<I, C>>,
+) -> FloatTensor<Autodiff<I, C>> {
+    let y = I::erf_gelu(x.primitive.clone());
+    tracked::<I, C, _, 1>(GeluBackward, [&x], || x.primitive.clone(), y)
+}
+
+/// The backward of [`erf_gelu`].
+#[derive(Debug)]
+struct GeluBackward;
+
+impl<I: Kernels> Backward<I, 1> for GeluBackward {
+    type State = FloatTensor<I>;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let x = ops.state;
+        unary::<I, _>(ops.parents, ops.node, grads, |dy| I::erf_gelu_grad(x, dy));
     }
 }
 

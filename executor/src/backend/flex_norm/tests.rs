@@ -32,6 +32,7 @@ fn equals_burns_autodiff(shape: [usize; 4], seed: u64) {
     let gamma = random([c], seed + 1, 1.0).require_grad();
     let beta = random([c], seed + 2, 0.0).require_grad();
     let dy = random(shape, seed + 3, 0.0);
+    let floor = values(dy.clone()).iter().fold(0f32, |s, v| s.max(v.abs()));
     let p = |t: Tensor<A, 1>| t.into_primitive().tensor();
     let (y_ref, mean_ref, var_ref) = crate::backend::norm::forward::<A>(
         x.clone().into_primitive().tensor(),
@@ -59,10 +60,15 @@ fn equals_burns_autodiff(shape: [usize; 4], seed: u64) {
         gamma.grad(&g).map(|t| t.into_data()),
         beta.grad(&g).map(|t| t.into_data()),
     ];
+    // γ's and β's gradients are sums over a channel of terms of the incoming gradient's
+    // size: a sum that cancels to near zero is judged against the largest of those, not
+    // itself (β's of [4, 1, 8, 3] at seed 308 was 3.4e-4 off relative to itself, proptest)
     for (what, (a, b)) in ["input", "γ", "β"].iter().zip(ours.into_iter().zip(reference)) {
         let (a, b) = (a.expect("a gradient"), b.expect("a gradient"));
         let (a, b) = (a.to_vec::<f32>().expect("f32"), b.to_vec::<f32>().expect("f32"));
-        assert!(off(&a, &b) < 2e-4, "{shape:?}: the {what}'s gradient is off by {}", off(&a, &b));
+        let scale = b.iter().fold(floor, |s, v| s.max(v.abs()));
+        let off = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max) / scale;
+        assert!(off < 2e-4, "{shape:?}: the {what}'s gradient is off by {off}");
     }
 }
 

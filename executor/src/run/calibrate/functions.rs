@@ -66,7 +66,7 @@ pub fn function_gradients<B: AutodiffBackend + Kernels>(
     type Function<'a, B> = &'a dyn Fn(Tensor<B, 1>) -> Tensor<B, 1>;
     // (a gated unit's by its output's elements, half its input's: `Kernels::gated_grads`)
     let functions: [(&'static str, Function<B>, usize); 6] = [
-        ("gelu_grad", &|t| activation::gelu(t), elements),
+        ("gelu_grad", &|t| crate::backend::kernels::erf_gelu(t), elements),
         ("gelu_tanh_grad", &|t| crate::nn::layers::gelu_tanh(t), elements),
         ("silu_grad", &|t| activation::silu(t), elements),
         ("tanh_grad", &|t| t.tanh(), elements),
