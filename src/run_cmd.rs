@@ -327,10 +327,10 @@ pub fn run(args: RunArgs) -> u8 {
     };
     // Measured trace of every step, in the compiler's trace format (none when a stop
     // request came before the first step: then nothing was written at all).
-    let trace = measured_trace(&plan, &report, "pipec run (measured, every step)");
     let trace_name = trace_file(first_step);
     if !report.steps.is_empty() {
-        if let Err(e) = write_atomic(&dir.join(&trace_name), trace.as_bytes()) {
+        if let Err(e) = write_measured_trace(&dir.join(&trace_name), &plan, &report, "pipec run (measured, every step)")
+        {
             eprintln!("error: {e}");
             return EXIT_USAGE;
         }
@@ -513,10 +513,10 @@ fn run_as_rank(plan: &Plan, args: &RunArgs, resume: Option<Resume>, dir: &Path, 
             print_interrupted(report, args, steps, first_step, stop_took);
             code = EXIT_DIAGNOSTICS;
         }
-        let trace = measured_trace(plan, report, &format!("pipec run --transport {transport} (measured, every step)"));
         let trace_name = trace_file(first_step);
+        let source = format!("pipec run --transport {transport} (measured, every step)");
         if !report.steps.is_empty() {
-            if let Err(e) = write_atomic(&dir.join(&trace_name), trace.as_bytes()) {
+            if let Err(e) = write_measured_trace(&dir.join(&trace_name), plan, report, &source) {
                 eprintln!("error: {e}");
                 code = EXIT_USAGE;
                 return;
@@ -639,17 +639,42 @@ fn resume_command(args: &RunArgs, checkpoint: &Path) -> String {
     line + &format!(" --resume {}", quote(checkpoint))
 }
 
-/// The measured trace of a run as a Chrome trace: every step's instructions on one time
-/// axis from the start of the run (each event's `args.step` says which step), and a marker
-/// where each step starts on each device.
-fn measured_trace(plan: &Plan, report: &pipec_executor::RunReport, source: &str) -> String {
-    let mut events: Vec<serde_json::Value> = Vec::with_capacity(report.timeline.len());
+/// Writes the measured trace of a run as a Chrome trace to `path` (atomically): every
+/// step's instructions on one time axis from the start of the run (each event's `args.step`
+/// says which step), and a marker where each step starts on each device. Streamed event by
+/// event: a long run's timeline holds up to `TIMELINE_LIMIT` entries per track, which as one
+/// JSON value had taken about 1.3 KB an event (60 MB more peak memory after 1,600 steps of
+/// `specs/csv-classifier.yaml`, 2026-12-07).
+fn write_measured_trace(
+    path: &std::path::Path,
+    plan: &Plan,
+    report: &pipec_executor::RunReport,
+    source: &str,
+) -> Result<(), String> {
+    crate::output::write_atomic_with(path, &mut |w| measured_trace(w, plan, report, source))
+}
+
+/// [`write_measured_trace`]'s text, written to `w`.
+fn measured_trace(
+    w: &mut dyn std::io::Write,
+    plan: &Plan,
+    report: &pipec_executor::RunReport,
+    source: &str,
+) -> std::io::Result<()> {
+    let mut first = true;
+    let mut event = |w: &mut dyn std::io::Write, e: &serde_json::Value| -> std::io::Result<()> {
+        w.write_all(if first { b"{\"traceEvents\":[" } else { b"," })?;
+        first = false;
+        serde_json::to_writer(&mut *w, e).map_err(std::io::Error::other)
+    };
     let mut step_marks: std::collections::BTreeMap<(pipec_plan::DeviceId, usize), f64> = Default::default();
+    let mut compute_rows = std::collections::BTreeSet::new();
     for (dev, step, index, start, end) in &report.timeline {
+        compute_rows.insert(dev.0);
         if let Some(ins) = plan.instruction(*dev, *index) {
             let mut e = trace_event(*dev, ins, *start, *end);
             e["args"] = serde_json::json!({ "step": step });
-            events.push(e);
+            event(w, &e)?;
             let mark = step_marks.entry((*dev, *step)).or_insert(*start);
             *mark = mark.min(*start);
         }
@@ -661,29 +686,37 @@ fn measured_trace(plan: &Plan, report: &pipec_executor::RunReport, source: &str)
             let mut e = trace_event(*dev, ins, *start, *end);
             e["pid"] = serde_json::json!(1);
             e["args"] = serde_json::json!({ "step": step });
-            events.push(e);
+            event(w, &e)?;
             comm_rows.insert(dev.0);
         }
     }
     // every track named: the compute process, one row per device, and the communication
     // threads' beside them
-    events.push(serde_json::json!({"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "compute"}}));
-    let compute_rows: std::collections::BTreeSet<u32> = report.timeline.iter().map(|t| t.0 .0).collect();
+    event(w, &serde_json::json!({"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "compute"}}))?;
     for d in compute_rows {
-        events.push(serde_json::json!({"name": "thread_name", "ph": "M", "pid": 0, "tid": d, "args": {"name": format!("device {d} compute")}}));
+        event(
+            w,
+            &serde_json::json!({"name": "thread_name", "ph": "M", "pid": 0, "tid": d, "args": {"name": format!("device {d} compute")}}),
+        )?;
     }
     if !comm_rows.is_empty() {
-        events
-            .push(serde_json::json!({"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "communication"}}));
+        event(w, &serde_json::json!({"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "communication"}}))?;
         for d in comm_rows {
-            events.push(serde_json::json!({"name": "thread_name", "ph": "M", "pid": 1, "tid": d, "args": {"name": format!("device {d} communication")}}));
+            event(
+                w,
+                &serde_json::json!({"name": "thread_name", "ph": "M", "pid": 1, "tid": d, "args": {"name": format!("device {d} communication")}}),
+            )?;
         }
     }
     for ((dev, step), at) in step_marks {
-        events.push(serde_json::json!({"name": format!("step {step}"), "ph": "i", "s": "t", "pid": 0, "tid": dev.0, "ts": at * 1e6}));
+        event(
+            w,
+            &serde_json::json!({"name": format!("step {step}"), "ph": "i", "s": "t", "pid": 0, "tid": dev.0, "ts": at * 1e6}),
+        )?;
     }
     let truncated = report.timeline.len() >= pipec_executor::TIMELINE_LIMIT;
-    serde_json::json!({"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"source": source, "plan": plan.name, "truncated": truncated}}).to_string()
+    let other = serde_json::json!({"source": source, "plan": plan.name, "truncated": truncated});
+    write!(w, "],\"displayTimeUnit\":\"ms\",\"otherData\":{other}}}")
 }
 
 /// One line of `metrics.jsonl`.
@@ -1193,7 +1226,51 @@ fn feature_note(f: pipec_plan::features::Feature, plan: &Plan) -> Option<String>
 
 #[cfg(test)]
 mod tests {
-    use super::shared_cores;
+    use super::{measured_trace, shared_cores};
+
+    /// A trace streamed to its writer is one JSON document: every timed instruction of the
+    /// compute and communication tracks, the tracks' names and one step marker per device
+    /// and step, each where the plan says.
+    #[test]
+    fn the_measured_trace_is_streamed_as_one_json_document_of_every_event() {
+        let source = "name: t\nmodel:\n  input: [8]\n  layers:\n    - linear(8, 8) -> relu\n    - linear(8, 2)\n  loss: cross_entropy\ncluster:\n  nodes: 1\n  devices_per_node: 2\n  device: { kind: cpu, memory: 1GiB, throughput: 1TFLOP/s }\n  links:\n    intra_node: { bandwidth: 10GB/s, latency: 5us }\nstrategy:\n  stages: \"1-1\"\n  schedule: 1f1b\n  microbatches: 2\ntraining:\n  batch_size: 8\n  steps: 3\n  optimizer: { kind: sgd, lr: 0.01 }\n  data: { kind: synthetic, task: classification, samples: 16 }\n";
+        let spec = pipec_grammar::check::check_source(source).spec.expect("checks");
+        let plan = pipec_compiler::compile(&spec, &pipec_compiler::CompileOptions::default())
+            .into_compiled()
+            .expect("compiles")
+            .plan;
+        let mut report = pipec_executor::RunReport::default();
+        for step in 0..3 {
+            for (dev, stream) in &plan.streams {
+                for index in 0..stream.len() {
+                    let at = step as f64 + index as f64 * 1e-3;
+                    report.timeline.push((*dev, step, index, at, at + 5e-4));
+                }
+                report.comm_timeline.push((*dev, step, 0, step as f64, step as f64 + 1e-4));
+            }
+        }
+        let mut out = Vec::new();
+        measured_trace(&mut out, &plan, &report, "a test").expect("written");
+        let trace: serde_json::Value = serde_json::from_slice(&out).expect("one JSON document");
+        let events = trace["traceEvents"].as_array().expect("events");
+        let count = |ph: &str, pid: u64| events.iter().filter(|e| e["ph"] == ph && e["pid"] == pid).count();
+        assert_eq!(count("X", 0), report.timeline.len());
+        assert_eq!(count("X", 1), report.comm_timeline.len());
+        assert_eq!(count("M", 0), 1 + plan.streams.len(), "the compute process and its rows");
+        assert_eq!(count("M", 1), 1 + plan.streams.len(), "the communication process and its rows");
+        assert_eq!(count("i", 0), 3 * plan.streams.len(), "a marker per device and step");
+        let first = &events[0];
+        let (dev, step, index, start, end) = report.timeline[0];
+        assert_eq!(first["name"], plan.instruction(dev, index).expect("an instruction").to_string());
+        assert_eq!(
+            (first["args"]["step"].as_u64(), first["tid"].as_u64()),
+            (Some(step as u64), Some(u64::from(dev.0)))
+        );
+        assert!((first["ts"].as_f64().expect("ts") - start * 1e6).abs() < 1e-6);
+        assert!((first["dur"].as_f64().expect("dur") - (end - start) * 1e6).abs() < 1e-6);
+        assert_eq!(trace["otherData"]["source"], "a test");
+        assert_eq!(trace["otherData"]["truncated"], false);
+    }
 
     #[test]
     fn a_note_says_when_the_workers_outnumber_the_cores() {

@@ -5,11 +5,30 @@ use std::path::Path;
 
 /// Writes `contents` to `path` through a temporary file and a rename.
 pub fn write_atomic(path: &Path, contents: &[u8]) -> Result<(), String> {
+    write_atomic_with(path, &mut |w| w.write_all(contents))
+}
+
+/// Writes what `write` produces to `path` through a buffered temporary file and a rename,
+/// so a large file is streamed rather than made whole in memory first; on an error the
+/// temporary file is removed and `path` is untouched.
+pub fn write_atomic_with(
+    path: &Path,
+    write: &mut dyn FnMut(&mut dyn std::io::Write) -> std::io::Result<()>,
+) -> Result<(), String> {
+    use std::io::Write;
     let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir).map_err(|e| format!("cannot create `{}`: {e}", dir.display()))?;
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("out");
     let tmp = dir.join(format!(".{name}.tmp{}", std::process::id()));
-    std::fs::write(&tmp, contents).map_err(|e| format!("cannot write `{}`: {e}", tmp.display()))?;
+    let written = std::fs::File::create(&tmp).and_then(|f| {
+        let mut out = std::io::BufWriter::new(f);
+        write(&mut out)?;
+        out.flush()
+    });
+    written.map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        format!("cannot write `{}`: {e}", tmp.display())
+    })?;
     std::fs::rename(&tmp, path).map_err(|e| {
         let _ = std::fs::remove_file(&tmp);
         format!("cannot write `{}`: {e}", path.display())
