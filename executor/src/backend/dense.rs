@@ -164,8 +164,8 @@ impl<I: Kernels, C: CheckpointStrategy> Kernels for Autodiff<I, C> {
         norm_backward::row_norm::<I, C>(x, gamma, beta, eps)
     }
 
-    fn erf_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
-        fused_backward::erf_gelu::<I, C>(x)
+    fn gelu_of(x: FloatTensor<Self>, form: crate::backend::gelu::Gelu) -> FloatTensor<Self> {
+        fused_backward::gelu::<I, C>(x, form)
     }
 
     fn gated(up: FloatTensor<Self>, gate: Gate) -> FloatTensor<Self> {

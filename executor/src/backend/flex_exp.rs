@@ -1,6 +1,7 @@
 //! The exponential, the logistic and the normal distribution of `f32` slices on the CPU, as
 //! straight-line arithmetic the compiler vectorizes: the CPU kernels' exponentials
-//! (attention's softmax, the cross-entropy, SwiGLU's logistic, GELU's distribution).
+//! (attention's softmax, the cross-entropy, SwiGLU's logistic, GELU's distribution and its
+//! tanh approximation).
 //!
 //! `f32::exp` is a call into `libm` per value, which no loop around it vectorizes, and
 //! SwiGLU's logistic branched on the sign of each value: `specs/llama-tiny.yaml`'s
@@ -108,6 +109,18 @@ fn gelu_slope(x: f32) -> f32 {
     normal_cdf(x) + x * normal_pdf(x)
 }
 
+/// GELU's tanh approximation's σ(2u) = 0.5·(1 + tanh(u)), u = √(2/π)·(x + 0.044715·x³),
+/// and its slope σ(2u) + x·σ(2u)·(1 − σ(2u))·2u′ (no cancellation near 0, as 1 + tanh had).
+#[inline(always)]
+fn tanh_gelu_parts(x: f32) -> (f32, f32) {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    const CUBIC: f32 = 0.044_715;
+    let x2 = x * x;
+    let s = sigmoid(2.0 * SQRT_2_OVER_PI * (x + CUBIC * x * x2));
+    let du = 2.0 * SQRT_2_OVER_PI * (1.0 + 3.0 * CUBIC * x2);
+    (s, s + x * s * (1.0 - s) * du)
+}
+
 /// Runs `body` compiled for AVX2 where the CPU has it, for the baseline elsewhere: `body`
 /// is generic and inlined into both, so each is its own vectorized copy.
 macro_rules! vectorized {
@@ -190,6 +203,29 @@ vectorized! {
         let (x, dy, out) = (&x[..n], &dy[..n], &mut out[..n]);
         for i in 0..n {
             out[i] = dy[i] * gelu_slope(x[i]);
+        }
+    }
+}
+
+vectorized! {
+    /// GELU's tanh approximation x·σ(2u) of each value of `x`; over the shorter of the two.
+    fn gelu_tanh(x: &[f32], out: &mut [f32]) {
+        let n = x.len().min(out.len());
+        let (x, out) = (&x[..n], &mut out[..n]);
+        for i in 0..n {
+            out[i] = x[i] * tanh_gelu_parts(x[i]).0;
+        }
+    }
+}
+
+vectorized! {
+    /// The tanh approximation's gradient from its output's gradient `dy`; over the
+    /// shortest.
+    fn gelu_tanh_grad(x: &[f32], dy: &[f32], out: &mut [f32]) {
+        let n = x.len().min(dy.len()).min(out.len());
+        let (x, dy, out) = (&x[..n], &dy[..n], &mut out[..n]);
+        for i in 0..n {
+            out[i] = dy[i] * tanh_gelu_parts(x[i]).1;
         }
     }
 }
@@ -334,6 +370,14 @@ mod tests {
         gelu_grad(&x, &u, &mut out);
         for ((o, &x), &dy) in out.iter().zip(&x).zip(&u) {
             assert_eq!(o.to_bits(), (dy * gelu_slope(x)).to_bits());
+        }
+        gelu_tanh(&x, &mut out);
+        for (o, &x) in out.iter().zip(&x) {
+            assert_eq!(o.to_bits(), (x * tanh_gelu_parts(x).0).to_bits());
+        }
+        gelu_tanh_grad(&x, &u, &mut out);
+        for ((o, &x), &dy) in out.iter().zip(&x).zip(&u) {
+            assert_eq!(o.to_bits(), (dy * tanh_gelu_parts(x).1).to_bits());
         }
         gelu_gated(&x, &u, &mut out);
         for ((o, &g), &u) in out.iter().zip(&x).zip(&u) {

@@ -11,6 +11,7 @@ use burn::tensor::{Tensor, TensorPrimitive};
 use std::sync::Arc;
 
 use crate::backend::gated::Gate;
+pub use crate::backend::gelu::Gelu;
 use crate::backend::pool::PoolWindow;
 use crate::backend::rotary::Rotation;
 
@@ -161,15 +162,23 @@ pub trait Kernels: Backend {
         crate::backend::row_norm::gradients::<Self>(x, gamma, stats, dy, beta)
     }
 
-    /// GELU in its exact form, x·Φ(x), by default Burn's (`ActivationOps::gelu`).
-    fn erf_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
-        <Self as ActivationOps<Self>>::gelu(x)
+    /// GELU of `x` in `form`, by default Burn's (`ActivationOps::gelu` for the exact form,
+    /// Burn's operations for the tanh approximation, `crate::backend::gelu`).
+    fn gelu_of(x: FloatTensor<Self>, form: Gelu) -> FloatTensor<Self> {
+        match form {
+            Gelu::Erf => <Self as ActivationOps<Self>>::gelu(x),
+            Gelu::Tanh => crate::backend::gelu::tanh_forward::<Self>(x),
+        }
     }
 
-    /// [`Kernels::erf_gelu`]'s gradient from its output's gradient `dy`, by default Burn's
-    /// (`ActivationOps::gelu_backward`).
-    fn erf_gelu_grad(x: FloatTensor<Self>, dy: FloatTensor<Self>) -> FloatTensor<Self> {
-        <Self as ActivationOps<Self>>::gelu_backward(x, dy)
+    /// [`Kernels::gelu_of`]'s gradient from its output's gradient `dy`, by default Burn's
+    /// (`ActivationOps::gelu_backward`; the tanh form's explicit derivative on Burn's
+    /// operations).
+    fn gelu_of_grad(x: FloatTensor<Self>, dy: FloatTensor<Self>, form: Gelu) -> FloatTensor<Self> {
+        match form {
+            Gelu::Erf => <Self as ActivationOps<Self>>::gelu_backward(x, dy),
+            Gelu::Tanh => crate::backend::gelu::tanh_gradient::<Self>(x, dy),
+        }
     }
 
     /// A gated MLP's activation act(gate)·up of the up projection's output `up` (its last
@@ -400,14 +409,25 @@ impl Kernels for burn::backend::Flex {
             .unwrap_or_else(|| crate::backend::row_norm::gradients::<Self>(x, gamma, stats, dy, beta))
     }
 
-    fn erf_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
+    fn gelu_of(x: FloatTensor<Self>, form: Gelu) -> FloatTensor<Self> {
         // vectorized (crate::backend::flex_gelu), Burn's for what it does not take
-        crate::backend::flex_gelu::forward(&x).unwrap_or_else(|| <Self as ActivationOps<Self>>::gelu(x))
+        match crate::backend::flex_gelu::forward(&x, form) {
+            Some(y) => y,
+            None => match form {
+                Gelu::Erf => <Self as ActivationOps<Self>>::gelu(x),
+                Gelu::Tanh => crate::backend::gelu::tanh_forward::<Self>(x),
+            },
+        }
     }
 
-    fn erf_gelu_grad(x: FloatTensor<Self>, dy: FloatTensor<Self>) -> FloatTensor<Self> {
-        crate::backend::flex_gelu::gradients(&x, &dy)
-            .unwrap_or_else(|| <Self as ActivationOps<Self>>::gelu_backward(x, dy))
+    fn gelu_of_grad(x: FloatTensor<Self>, dy: FloatTensor<Self>, form: Gelu) -> FloatTensor<Self> {
+        match crate::backend::flex_gelu::gradients(&x, &dy, form) {
+            Some(d) => d,
+            None => match form {
+                Gelu::Erf => <Self as ActivationOps<Self>>::gelu_backward(x, dy),
+                Gelu::Tanh => crate::backend::gelu::tanh_gradient::<Self>(x, dy),
+            },
+        }
     }
 
     fn gated(up: FloatTensor<Self>, gate: Gate) -> FloatTensor<Self> {
@@ -544,9 +564,9 @@ pub(crate) fn row_norm<B: Kernels, const D: usize>(
     Tensor::from_primitive(TensorPrimitive::Float(y))
 }
 
-/// [`Kernels::erf_gelu`] on tensors.
-pub(crate) fn erf_gelu<B: Kernels, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
-    Tensor::from_primitive(TensorPrimitive::Float(B::erf_gelu(x.into_primitive().tensor())))
+/// [`Kernels::gelu_of`] on tensors.
+pub(crate) fn gelu<B: Kernels, const D: usize>(x: Tensor<B, D>, form: Gelu) -> Tensor<B, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(B::gelu_of(x.into_primitive().tensor(), form)))
 }
 
 /// [`Kernels::gated`] on tensors.

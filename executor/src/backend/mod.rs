@@ -20,6 +20,7 @@ pub(crate) mod flex_rotary;
 pub(crate) mod flex_row_norm;
 pub(crate) mod flex_softmax;
 pub mod gated;
+pub mod gelu;
 pub mod heads;
 pub mod kernels;
 pub mod norm;

@@ -15,7 +15,7 @@ use pipec_plan::model::{
 use crate::backend::attention::{repeat_heads, Causal, MaskPositions};
 use crate::backend::dropout::{AttentionDropout, DropMask, Site};
 use crate::backend::gated::Gate;
-use crate::backend::kernels::{self, attention_weights, Kernels};
+use crate::backend::kernels::{self, attention_weights, Gelu, Kernels};
 use crate::backend::rotary::Rotation;
 use crate::error::{ExecError, Result};
 
@@ -129,13 +129,6 @@ pub struct Block<B: Backend> {
 pub struct Mlp<B: Backend> {
     pub fc1: Dense<B>,
     pub fc2: Dense<B>,
-}
-
-/// GELU's tanh approximation: 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))).
-pub(crate) fn gelu_tanh<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
-    let c = (2.0 / std::f64::consts::PI).sqrt();
-    let inner = (x.clone() + x.clone().powi_scalar(3) * 0.044715) * c;
-    x * (inner.tanh() + 1.0) * 0.5
 }
 
 impl<B: Kernels> Block<B> {
@@ -253,8 +246,8 @@ impl<B: Kernels> Block<B> {
     /// [`Kernels::gated`]).
     pub(crate) fn activate(&self, up: Tensor<B, 3>) -> Tensor<B, 3> {
         match self.mlp {
-            MlpKind::Gelu => kernels::erf_gelu(up),
-            MlpKind::GeluTanh => gelu_tanh(up),
+            MlpKind::Gelu => kernels::gelu(up, Gelu::Erf),
+            MlpKind::GeluTanh => kernels::gelu(up, Gelu::Tanh),
             MlpKind::Swiglu => kernels::gated(up, Gate::Silu),
             MlpKind::Geglu => kernels::gated(up, Gate::Gelu),
         }

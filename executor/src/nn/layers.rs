@@ -9,7 +9,7 @@ use burn::tensor::module::{adaptive_avg_pool2d, avg_pool2d, embedding};
 use burn::tensor::ops::ConvOptions;
 use pipec_plan::model::{NormKind, Op, Pooling, Source};
 
-use crate::backend::kernels::Kernels;
+use crate::backend::kernels::{self, Gelu, Kernels};
 use crate::backend::norm::per_sample;
 use crate::backend::pool::PoolWindow;
 use crate::backend::rng::Rng;
@@ -429,8 +429,8 @@ fn elementwise<B: Backend>(x: Act<B>, f: impl Fn(Tensor<B, 2>) -> Tensor<B, 2>) 
 pub(crate) fn stateless<B: Kernels>(op: &Op, index: usize, x: Act<B>, side: &Collected<B>) -> Result<Act<B>> {
     match *op {
         Op::Relu => elementwise(x, activation::relu),
-        Op::Gelu => elementwise(x, crate::backend::kernels::erf_gelu),
-        Op::GeluTanh => elementwise(x, gelu_tanh),
+        Op::Gelu => elementwise(x, |x| kernels::gelu(x, Gelu::Erf)),
+        Op::GeluTanh => elementwise(x, |x| kernels::gelu(x, Gelu::Tanh)),
         Op::Tanh => elementwise(x, activation::tanh),
         Op::Sigmoid => elementwise(x, activation::sigmoid),
         Op::Dropout { p } => {

@@ -23,7 +23,7 @@ use burn::tensor::{Distribution, Tensor};
 use pipec_plan::device::{Curve, DeviceModel, MatrixRates, OptimizerRates, UpdateRate};
 
 use crate::backend::gated::Gate;
-use crate::backend::kernels::Kernels;
+use crate::backend::kernels::{self, Kernels};
 
 /// One measured point: a kernel's size (FLOPs or bytes) and its median seconds.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -225,8 +225,8 @@ pub fn calibrate<B: Kernels>(
     use burn::tensor::activation;
     let mut functions: Vec<(&'static str, Point)> = [
         ("exp", time(&|t| t.exp())),
-        ("gelu", time(&|t| crate::backend::kernels::erf_gelu(t))),
-        ("gelu_tanh", time(&|t| crate::nn::layers::gelu_tanh(t))),
+        ("gelu", time(&|t| kernels::gelu(t, kernels::Gelu::Erf))),
+        ("gelu_tanh", time(&|t| kernels::gelu(t, kernels::Gelu::Tanh))),
         ("silu", time(&|t| activation::silu(t))),
         ("tanh", time(&|t| t.tanh())),
     ]
@@ -636,7 +636,7 @@ pub fn cpu_name() -> String {
 /// products' compute and traffic combined by a fitted norm, `Traffic::norm`; 7: a gated
 /// unit's activation and the cross-entropy timed as the executor runs them, with their
 /// gradients; 8: the kernels it times changed speed, their exponentials and GELU vectorized,
-/// `crate::backend::flex_exp`, GELU timed as the executor runs it, `Kernels::erf_gelu`).
+/// `crate::backend::flex_exp`, both GELUs timed as the executor runs them, `Kernels::gelu_of`).
 const MEASURES: u32 = 8;
 
 /// The file under `dir` that keeps the calibration of `workers` workers on the CPU `cpu`

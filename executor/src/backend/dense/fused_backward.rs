@@ -1,9 +1,9 @@
 //! The fused kernels' autodiff nodes: attention's softmax, GELU, a gated MLP's activation,
 //! the rotary embeddings, the attention heads taken out of the features and put back, and
-//! the cross-entropy ([`Kernels::attention_softmax`], [`Kernels::erf_gelu`],
+//! the cross-entropy ([`Kernels::attention_softmax`], [`Kernels::gelu_of`],
 //! [`Kernels::gated`], [`Kernels::rotary`], [`Kernels::heads`], [`Kernels::place_heads`],
 //! [`Kernels::cross_entropy`] on `Autodiff`): the inner backend's forward and, in the
-//! backward, its gradient ([`Kernels::attention_softmax_grad`], [`Kernels::erf_gelu_grad`],
+//! backward, its gradient ([`Kernels::attention_softmax_grad`], [`Kernels::gelu_of_grad`],
 //! [`Kernels::gated_grads`], [`Kernels::rotary_grads`], each other for the heads,
 //! [`Kernels::cross_entropy_grads`]).
 
@@ -20,6 +20,7 @@ use burn::tensor::{Tensor, TensorMetadata, TensorPrimitive};
 
 use super::tracked;
 use crate::backend::gated::Gate;
+use crate::backend::gelu::Gelu;
 use crate::backend::kernels::{Kernels, Softmaxed};
 use crate::backend::rotary::Rotation;
 
@@ -43,25 +44,28 @@ impl<I: Kernels> Backward<I, 1> for SoftmaxBackward {
     }
 }
 
-/// [`Kernels::erf_gelu`] on an autodiff backend: its input is the node's parent, and what
+/// [`Kernels::gelu_of`] on an autodiff backend: its input is the node's parent, and what
 /// it keeps.
-pub(super) fn erf_gelu<I: Kernels, C: CheckpointStrategy>(
+pub(super) fn gelu<I: Kernels, C: CheckpointStrategy>(
     x: FloatTensor<Autodiff<I, C>>,
+    form: Gelu,
 ) -> FloatTensor<Autodiff<I, C>> {
-    let y = I::erf_gelu(x.primitive.clone());
-    tracked::<I, C, _, 1>(GeluBackward, [&x], || x.primitive.clone(), y)
+    let y = I::gelu_of(x.primitive.clone(), form);
+    tracked::<I, C, _, 1>(GeluBackward { form }, [&x], || x.primitive.clone(), y)
 }
 
-/// The backward of [`erf_gelu`].
+/// The backward of [`gelu`].
 #[derive(Debug)]
-struct GeluBackward;
+struct GeluBackward {
+    form: Gelu,
+}
 
 impl<I: Kernels> Backward<I, 1> for GeluBackward {
     type State = FloatTensor<I>;
 
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let x = ops.state;
-        unary::<I, _>(ops.parents, ops.node, grads, |dy| I::erf_gelu_grad(x, dy));
+        let (x, form) = (ops.state, self.form);
+        unary::<I, _>(ops.parents, ops.node, grads, |dy| I::gelu_of_grad(x, dy, form));
     }
 }
 

@@ -8,7 +8,7 @@ use pipec_plan::device::Functions;
 
 use super::{median_seconds, Point};
 use crate::backend::gated::Gate;
-use crate::backend::kernels::Kernels;
+use crate::backend::kernels::{Gelu, Kernels};
 
 /// Each function's elements per second beyond the launch (0 for a name not measured).
 pub fn function_rates(measured: &[(&str, Point)], launch: f64) -> Functions {
@@ -66,8 +66,8 @@ pub fn function_gradients<B: AutodiffBackend + Kernels>(
     type Function<'a, B> = &'a dyn Fn(Tensor<B, 1>) -> Tensor<B, 1>;
     // (a gated unit's by its output's elements, half its input's: `Kernels::gated_grads`)
     let functions: [(&'static str, Function<B>, usize); 6] = [
-        ("gelu_grad", &|t| crate::backend::kernels::erf_gelu(t), elements),
-        ("gelu_tanh_grad", &|t| crate::nn::layers::gelu_tanh(t), elements),
+        ("gelu_grad", &|t| crate::backend::kernels::gelu(t, Gelu::Erf), elements),
+        ("gelu_tanh_grad", &|t| crate::backend::kernels::gelu(t, Gelu::Tanh), elements),
         ("silu_grad", &|t| activation::silu(t), elements),
         ("tanh_grad", &|t| t.tanh(), elements),
         ("silu_gated_grad", &|t| crate::backend::kernels::gated(t, Gate::Silu), elements / 2),
