@@ -9,9 +9,9 @@
 //! loss is priced as one pass of exponentials, 0.27 ms (docs/benchmarks.md). Here the
 //! forward reads each row for its maximum, then writes its exponentials (`flex_exp`'s,
 //! vectorized; its softmax once divided by their sum, kept for the backward); the backward
-//! writes softmax − onehot, scaled, in one pass. The sums run in `f64`, in another order than Burn's (the loss equal
-//! within float rounding, tested); every layout of a plan runs this kernel, so pipelines
-//! still train to the single device's numbers.
+//! writes softmax − onehot, scaled, in one pass. The sums run in `f64`, in another order
+//! than Burn's (the loss equal within float rounding, tested); every layout of a plan runs
+//! this kernel, so pipelines still train to the single device's numbers.
 
 use burn::backend::flex::FlexTensor;
 use burn::tensor::{DType, TensorData};
