@@ -118,8 +118,8 @@ fn gelu_slope(x: f32) -> f32 {
 /// and its slope σ(2u) + x·σ(2u)·(1 − σ(2u))·2u′ (no cancellation near 0, as 1 + tanh had).
 #[inline(always)]
 fn tanh_gelu_parts(x: f32) -> (f32, f32) {
-    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
-    const CUBIC: f32 = 0.044_715;
+    const SQRT_2_OVER_PI: f32 = crate::backend::gelu::SQRT_2_OVER_PI as f32;
+    const CUBIC: f32 = crate::backend::gelu::CUBIC as f32;
     let x2 = x * x;
     let s = sigmoid(2.0 * SQRT_2_OVER_PI * (x + CUBIC * x * x2));
     let du = 2.0 * SQRT_2_OVER_PI * (1.0 + 3.0 * CUBIC * x2);

@@ -1,10 +1,11 @@
 //! GELU's two forms on Burn's operations, for the backends without a kernel of their own
-//! (the CubeCL backends; `flex_gelu` is the CPU's): the tanh approximation's forward and its
-//! explicit gradient (the exact form is Burn's `ActivationOps::gelu` and `gelu_backward`).
+//! (the CubeCL backends; `flex_gelu` is the CPU's): the exact form is Burn's
+//! `ActivationOps::gelu` and `gelu_backward`, the tanh approximation Burn's operations and
+//! its explicit gradient.
 
 use burn::prelude::*;
 use burn::tensor::activation;
-use burn::tensor::ops::FloatTensor;
+use burn::tensor::ops::{ActivationOps, FloatTensor};
 use burn::tensor::{TensorMetadata, TensorPrimitive};
 
 /// Which GELU: the exact x·Φ(x) (BERT's, `transformer_block`'s default) or the tanh
@@ -13,6 +14,22 @@ use burn::tensor::{TensorMetadata, TensorPrimitive};
 pub enum Gelu {
     Erf,
     Tanh,
+}
+
+/// GELU of `x` in `form` on Burn's operations.
+pub fn forward<B: Backend>(x: FloatTensor<B>, form: Gelu) -> FloatTensor<B> {
+    match form {
+        Gelu::Erf => <B as ActivationOps<B>>::gelu(x),
+        Gelu::Tanh => tanh_forward::<B>(x),
+    }
+}
+
+/// [`forward`]'s gradient from its output's gradient `dy`.
+pub fn gradients<B: Backend>(x: FloatTensor<B>, dy: FloatTensor<B>, form: Gelu) -> FloatTensor<B> {
+    match form {
+        Gelu::Erf => <B as ActivationOps<B>>::gelu_backward(x, dy),
+        Gelu::Tanh => tanh_gradient::<B>(x, dy),
+    }
 }
 
 /// √(2/π), the tanh approximation's scale.

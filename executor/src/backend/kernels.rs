@@ -5,7 +5,7 @@
 
 use burn::backend::autodiff::NodeId;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::ops::{ActivationOps, ConvOptions, FloatTensor, FloatTensorOps, IntTensor, ModuleOps};
+use burn::tensor::ops::{ConvOptions, FloatTensor, FloatTensorOps, IntTensor, ModuleOps};
 use burn::tensor::{Tensor, TensorPrimitive};
 
 use std::sync::Arc;
@@ -162,23 +162,15 @@ pub trait Kernels: Backend {
         crate::backend::row_norm::gradients::<Self>(x, gamma, stats, dy, beta)
     }
 
-    /// GELU of `x` in `form`, by default Burn's (`ActivationOps::gelu` for the exact form,
-    /// Burn's operations for the tanh approximation, `crate::backend::gelu`).
+    /// GELU of `x` in `form`, by default on Burn's operations (`crate::backend::gelu`).
     fn gelu_of(x: FloatTensor<Self>, form: Gelu) -> FloatTensor<Self> {
-        match form {
-            Gelu::Erf => <Self as ActivationOps<Self>>::gelu(x),
-            Gelu::Tanh => crate::backend::gelu::tanh_forward::<Self>(x),
-        }
+        crate::backend::gelu::forward::<Self>(x, form)
     }
 
-    /// [`Kernels::gelu_of`]'s gradient from its output's gradient `dy`, by default Burn's
-    /// (`ActivationOps::gelu_backward`; the tanh form's explicit derivative on Burn's
-    /// operations).
+    /// [`Kernels::gelu_of`]'s gradient from its output's gradient `dy`, by default on
+    /// Burn's operations.
     fn gelu_of_grad(x: FloatTensor<Self>, dy: FloatTensor<Self>, form: Gelu) -> FloatTensor<Self> {
-        match form {
-            Gelu::Erf => <Self as ActivationOps<Self>>::gelu_backward(x, dy),
-            Gelu::Tanh => crate::backend::gelu::tanh_gradient::<Self>(x, dy),
-        }
+        crate::backend::gelu::gradients::<Self>(x, dy, form)
     }
 
     /// A gated MLP's activation act(gate)·up of the up projection's output `up` (its last
@@ -410,24 +402,13 @@ impl Kernels for burn::backend::Flex {
     }
 
     fn gelu_of(x: FloatTensor<Self>, form: Gelu) -> FloatTensor<Self> {
-        // vectorized (crate::backend::flex_gelu), Burn's for what it does not take
-        match crate::backend::flex_gelu::forward(&x, form) {
-            Some(y) => y,
-            None => match form {
-                Gelu::Erf => <Self as ActivationOps<Self>>::gelu(x),
-                Gelu::Tanh => crate::backend::gelu::tanh_forward::<Self>(x),
-            },
-        }
+        // vectorized (crate::backend::flex_gelu), Burn's operations for what it does not take
+        crate::backend::flex_gelu::forward(&x, form).unwrap_or_else(|| crate::backend::gelu::forward::<Self>(x, form))
     }
 
     fn gelu_of_grad(x: FloatTensor<Self>, dy: FloatTensor<Self>, form: Gelu) -> FloatTensor<Self> {
-        match crate::backend::flex_gelu::gradients(&x, &dy, form) {
-            Some(d) => d,
-            None => match form {
-                Gelu::Erf => <Self as ActivationOps<Self>>::gelu_backward(x, dy),
-                Gelu::Tanh => crate::backend::gelu::tanh_gradient::<Self>(x, dy),
-            },
-        }
+        crate::backend::flex_gelu::gradients(&x, &dy, form)
+            .unwrap_or_else(|| crate::backend::gelu::gradients::<Self>(x, dy, form))
     }
 
     fn gated(up: FloatTensor<Self>, gate: Gate) -> FloatTensor<Self> {
