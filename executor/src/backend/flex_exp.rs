@@ -155,6 +155,23 @@ macro_rules! vectorized {
 /// (the same order whatever the vector width).
 const LANES: usize = 8;
 
+/// Σ f(a[i], b[i]) over the shorter of the two: 8 running sums, each of every eighth term,
+/// added in lane order, then the rest left to right. Not the left-to-right sum's last bits,
+/// but the same on every CPU and every call.
+#[inline(always)]
+fn lane_sum(a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32) -> f32 {
+    let n = a.len().min(b.len());
+    let whole = n - n % LANES;
+    let mut lanes = [0f32; LANES];
+    for (x, y) in a[..whole].chunks_exact(LANES).zip(b[..whole].chunks_exact(LANES)) {
+        for i in 0..LANES {
+            lanes[i] += f(x[i], y[i]);
+        }
+    }
+    let head = lanes.iter().fold(0f32, |s, &l| s + l);
+    a[whole..n].iter().zip(&b[whole..n]).fold(head, |s, (&x, &y)| s + f(x, y))
+}
+
 vectorized! {
     /// The largest of `values` (−∞ for none; a NaN is passed over, as `f32::max` does):
     /// 8 running maxima, then theirs; the maximum is the same in any order.
@@ -172,35 +189,16 @@ vectorized! {
 }
 
 vectorized! {
-    /// Σ a[i]·b[i] (with `b` None: Σ a[i]) over the shorter: 8 running sums, each of every
-    /// eighth product, added in lane order, then the rest left to right. Not the left-to-right
-    /// sum's last bits, but the same on every CPU and every call.
-    fn dot(a: &[f32], b: Option<&[f32]>) -> f32 {
-        let n = b.map_or(a.len(), |b| a.len().min(b.len()));
-        let a = &a[..n];
-        let mut lanes = [0f32; LANES];
-        let whole = n - n % LANES;
-        match b {
-            Some(b) => {
-                let b = &b[..n];
-                for (x, y) in a[..whole].chunks_exact(LANES).zip(b[..whole].chunks_exact(LANES)) {
-                    for i in 0..LANES {
-                        lanes[i] += x[i] * y[i];
-                    }
-                }
-                let head = lanes.iter().fold(0f32, |s, &l| s + l);
-                a[whole..].iter().zip(&b[whole..]).fold(head, |s, (x, y)| s + x * y)
-            }
-            None => {
-                for x in a[..whole].chunks_exact(LANES) {
-                    for i in 0..LANES {
-                        lanes[i] += x[i];
-                    }
-                }
-                let head = lanes.iter().fold(0f32, |s, &l| s + l);
-                a[whole..].iter().fold(head, |s, x| s + x)
-            }
-        }
+    /// Σ a[i] in [`lane_sum`]'s order.
+    fn sum(a: &[f32]) -> f32 {
+        lane_sum(a, a, |x, _| x)
+    }
+}
+
+vectorized! {
+    /// Σ a[i]·b[i] over the shorter, in [`lane_sum`]'s order.
+    fn dot(a: &[f32], b: &[f32]) -> f32 {
+        lane_sum(a, b, |x, y| x * y)
     }
 }
 
@@ -345,15 +343,15 @@ mod tests {
             assert_eq!(max(x), x.iter().copied().fold(f32::NEG_INFINITY, f32::max), "{n}");
             // the order the module states, written out: lane i sums every eighth term
             let whole = n - n % LANES;
-            let lane_sum = |f: &dyn Fn(usize) -> f32| {
+            let in_lanes = |f: &dyn Fn(usize) -> f32| {
                 let lanes: Vec<f32> =
                     (0..LANES).map(|l| (l..whole).step_by(LANES).fold(0f32, |s, i| s + f(i))).collect();
                 (whole..n).fold(lanes.iter().fold(0f32, |s, &v| s + v), |s, i| s + f(i))
             };
-            assert_eq!(dot(x, Some(y)).to_bits(), lane_sum(&|i| x[i] * y[i]).to_bits(), "{n}");
-            assert_eq!(dot(x, None).to_bits(), lane_sum(&|i| x[i]).to_bits(), "{n}");
+            assert_eq!(dot(x, y).to_bits(), in_lanes(&|i| x[i] * y[i]).to_bits(), "{n}");
+            assert_eq!(sum(x).to_bits(), in_lanes(&|i| x[i]).to_bits(), "{n}");
             let exact: f64 = x.iter().zip(y).map(|(a, b)| f64::from(*a) * f64::from(*b)).sum();
-            assert!((f64::from(dot(x, Some(y))) - exact).abs() < 1e-4, "{n}");
+            assert!((f64::from(dot(x, y)) - exact).abs() < 1e-4, "{n}");
         }
         assert_eq!(max(&[1.0, f32::NAN, 3.0]), 3.0);
     }

@@ -13,7 +13,7 @@
 //! The arithmetic is the composition's, in the same order per element (the division by the
 //! same `f32` √dh, the mask's -1e9 added, `exp(x − max)`, the division by the row's sum);
 //! the exponential is `flex_exp`'s, vectorized, within 1 ulp of `libm`'s and 0 below e^-87.33,
-//! and the row's maximum and sums run in 8 lanes (`flex_exp::max`, `flex_exp::dot`): the
+//! and the row's maximum and sums run in 8 lanes (`flex_exp::max`, `flex_exp::sum`, `flex_exp::dot`): the
 //! sums differ from Burn's in the last bits (tested against it within float rounding). Every layout of a plan runs this same kernel, so
 //! pipelines still train to the single device's numbers bit for bit.
 
@@ -95,7 +95,7 @@ pub(crate) fn forward(scores: &FlexTensor, divisor: f32, mask: Option<Mask<'_>>)
         }
         let max = flex_exp::max(y);
         flex_exp::exp_shifted(y, max, flex_exp::EXP_UNDERFLOW);
-        let sum = flex_exp::dot(y, None);
+        let sum = flex_exp::sum(y);
         for y in y.iter_mut() {
             *y /= sum;
         }
@@ -118,7 +118,7 @@ pub(crate) fn backward(p: &FlexTensor, dp: &FlexTensor, divisor: f32) -> Option<
         if !read_row(ps, p_at, p_step, &mut pr) || !read_row(dps, dp_at, dp_step, ds) {
             return None;
         }
-        let dot = flex_exp::dot(&pr, Some(ds));
+        let dot = flex_exp::dot(&pr, ds);
         for (ds, &p) in ds.iter_mut().zip(&pr) {
             *ds = p * (*ds - dot) / divisor;
         }
