@@ -66,6 +66,8 @@ impl Part {
 pub struct BlockPriced {
     pub forward: f64,
     pub backward: f64,
+    /// The part of `backward` that is weight gradients.
+    pub backward_weights: f64,
     /// The standard attention core's forward again (selective recompute, Korthikanti et al.).
     pub selective: f64,
     /// The attention core's share of the forward and of the backward.
@@ -106,8 +108,7 @@ impl<'a> Forward<'a> {
 pub fn price_block(b: &BlockDims, s: f64, t: f64, samples: f64, cx: &CostContext<'_>) -> BlockPriced {
     let p = cx.precision.bytes() as f64;
     let fp8 = cx.fp8.is_some();
-    let new =
-        || Kernels { device: cx.device, precision: cx.precision, p, seconds: 0.0, fp8_rate: true, casts: cx.fp8_casts };
+    let new = || Kernels::of(cx, p);
     let mut fwd = Forward { k: new(), parts: [0.0; Part::COUNT], products: Vec::new() };
     let (mut bwd, mut sel) = (new(), new());
     let (h, a) = (b.d as f64, b.heads as f64);
@@ -247,6 +248,7 @@ pub fn price_block(b: &BlockDims, s: f64, t: f64, samples: f64, cx: &CostContext
     BlockPriced {
         forward: fwd.k.seconds,
         backward: bwd.seconds,
+        backward_weights: bwd.weights,
         selective: sel.seconds,
         core: [core_forward, core_backward],
         parts: fwd.parts,

@@ -45,6 +45,9 @@ pub struct LayerCost {
     pub forward_s: f64,
     /// The backward's kernels (input and weight gradients).
     pub backward_s: f64,
+    /// The part of `backward_s` that is weight gradients: what the weight pass of a split
+    /// backward runs; the input pass runs the rest.
+    pub backward_weights_s: f64,
     /// What selective recompute adds to the backward: the attention core's forward again.
     pub selective_s: f64,
     /// A transformer block's attention core (scores, softmax, weighted sum; or the fused
@@ -113,6 +116,7 @@ impl LayerCost {
         self.backward_flops_per_sample += other.backward_flops_per_sample;
         self.forward_s += other.forward_s;
         self.backward_s += other.backward_s;
+        self.backward_weights_s += other.backward_weights_s;
         self.selective_s += other.selective_s;
         for (a, b) in self.core_s.iter_mut().zip(other.core_s) {
             *a += b;
@@ -348,9 +352,12 @@ fn kept_bytes(node: &OpNode, cx: &KeptContext) -> (f64, f64) {
 
 /// A layer's forward and backward kernels, the selective-recompute addition, and the
 /// attention core's part of the forward and the backward.
+#[derive(Default)]
 struct Priced {
     forward: f64,
     backward: f64,
+    /// The part of `backward` that is weight gradients (`Kernels::weights`).
+    backward_weights: f64,
     selective: f64,
     core: [f64; 2],
     /// A transformer block's forward by part and by product (what recompute runs again).
@@ -365,8 +372,7 @@ fn price(node: &OpNode, split: TpSplit, (first, last): (bool, bool), cx: &CostCo
     let mut core_s = [0.0; 2];
     let mut block = None;
     let p = cx.precision.bytes() as f64;
-    let new =
-        || Kernels { device: cx.device, precision: cx.precision, p, seconds: 0.0, fp8_rate: true, casts: cx.fp8_casts };
+    let new = || Kernels::of(cx, p);
     let (mut fwd, mut bwd, mut sel) = (new(), new(), new());
     let inp = numel(&node.input_shape) * b;
     let out = numel(&node.output_shape) * b;
@@ -395,7 +401,7 @@ fn price(node: &OpNode, split: TpSplit, (first, last): (bool, bool), cx: &CostCo
                     if !first {
                         bwd.matrix(flops, inp + weights + out);
                     }
-                    bwd.matrix(flops, inp + weights + out);
+                    bwd.weight_pass(|k| k.matrix(flops, inp + weights + out));
                 }
                 Convolution::Patches => {
                     // the patch matrix: C·k² values per output position per sample
@@ -407,8 +413,10 @@ fn price(node: &OpNode, split: TpSplit, (first, last): (bool, bool), cx: &CostCo
                     // the output's gradient as [C_out, samples·positions], the weights'
                     // gradient over the patches laid out again
                     bwd.vector(0.0, 2.0 * out, 0.0);
-                    lay_out(&mut bwd);
-                    bwd.matrix(flops, out + patches + weights);
+                    bwd.weight_pass(|k| {
+                        lay_out(k);
+                        k.matrix(flops, out + patches + weights);
+                    });
                     if !first {
                         // the patches' gradient, added back into the input's
                         bwd.matrix(flops, weights + out + patches);
@@ -424,18 +432,21 @@ fn price(node: &OpNode, split: TpSplit, (first, last): (bool, bool), cx: &CostCo
                 fwd.matrix(2.0 * b * 4.0 * h * (i + h), b * (i + h) + 4.0 * h * (i + h) + 4.0 * h * b);
                 fwd.vector(30.0 * h * b, 8.0 * h * b, 0.0);
                 bwd.matrix(2.0 * b * 4.0 * h * (i + h), b * (i + h) + 4.0 * h * (i + h) + 4.0 * h * b);
-                bwd.matrix(2.0 * b * 4.0 * h * (i + h), b * (i + h) + 4.0 * h * (i + h) + 4.0 * h * b);
+                bwd.weight_pass(|k| {
+                    k.matrix(2.0 * b * 4.0 * h * (i + h), b * (i + h) + 4.0 * h * (i + h) + 4.0 * h * b)
+                });
                 bwd.vector(30.0 * h * b, 12.0 * h * b, 0.0);
             }
         }
         Op::TransformerBlock { .. } => {
             let Some(blk) = node.op.block_dims() else {
-                return Priced { forward: 0.0, backward: 0.0, selective: 0.0, core: [0.0; 2], block: None };
+                return Priced::default();
             };
             let s = node.input_shape.first().copied().unwrap_or(1) as f64;
             let priced = price_block(&blk, s, t, b, cx);
             fwd.seconds += priced.forward;
             bwd.seconds += priced.backward;
+            bwd.weights += priced.backward_weights;
             sel.seconds += priced.selective;
             core_s = priced.core;
             block = Some(priced);
@@ -488,6 +499,7 @@ fn price(node: &OpNode, split: TpSplit, (first, last): (bool, bool), cx: &CostCo
     Priced {
         forward: fwd.seconds + cx.overhead,
         backward: bwd.seconds + cx.overhead_backward,
+        backward_weights: bwd.weights,
         selective: sel.seconds,
         core: core_s,
         block,
@@ -784,6 +796,7 @@ fn layer_cost(
     if streamed {
         priced.forward /= rows;
         priced.backward /= rows;
+        priced.backward_weights /= rows;
         priced.selective /= rows;
     }
     let (tp_forward, tp_backward) = tp_collectives(node, split, cx);
@@ -829,6 +842,7 @@ fn layer_cost(
         backward_flops_per_sample: backward_flops(node),
         forward_s: priced.forward,
         backward_s: priced.backward,
+        backward_weights_s: priced.backward_weights,
         selective_s: priced.selective,
         core_s: priced.core,
         tp_forward,
@@ -872,7 +886,10 @@ impl ApplyProfile for Profile {
         let scale = microbatch_size as f64 / self.batch_size as f64;
         for (c, l) in costs.iter_mut().zip(&self.layers) {
             c.forward_s = l.forward_ms / 1e3 * scale;
+            // the weight gradients keep their analytic share of the measured backward
+            let weights = if c.backward_s > 0.0 { c.backward_weights_s / c.backward_s } else { 0.0 };
             c.backward_s = l.backward_ms / 1e3 * scale;
+            c.backward_weights_s = weights * c.backward_s;
             // an update's work depends on the parameters, not on the microbatch
             c.update_s = l.update_ms / 1e3;
             c.activation_bytes_per_sample = l.activation_bytes / self.batch_size as u64;
@@ -1020,7 +1037,39 @@ mod tests {
             assert!((later.backward - 2.0 * later.forward).abs() < 1e-15, "{}", later.backward);
             assert!((first.backward - later.forward).abs() < 1e-15, "{}", first.backward);
             assert_eq!(first.forward, later.forward);
+            // the weight gradient is the weight pass of a split backward: half of a later
+            // layer's backward, all of the first's
+            assert!((later.backward_weights - later.forward).abs() < 1e-15, "{}", later.backward_weights);
+            assert_eq!(first.backward_weights, first.backward);
         }
+    }
+
+    /// A split backward's weight pass is the weight gradients' products alone: a block's
+    /// attention core, norms, activation and the loss stay in its input pass, which so
+    /// carries more than half the backward; an LSTM's recurrent products split in two.
+    #[test]
+    fn a_split_backwards_weight_pass_is_its_weight_gradients() {
+        let device = DeviceModel::uniform("x", 1e9, 1e9);
+        let cx = context(&device);
+        let block = node(Op::block(64, 4, 256, true), vec![64, 64]);
+        let b = price(&block, TpSplit::Replicated, (false, false), &cx);
+        // the block's four products (QKV, output, up, down): 2·64·(3·64 + 64 + 2·256) FLOPs a
+        // position, its weight gradients the same at the uniform rate
+        let products = 4.0 * 64.0 * 2.0 * 64.0 * (3.0 * 64.0 + 64.0 + 2.0 * 256.0) / 1e9;
+        assert!((b.backward_weights - products).abs() < 1e-9 * products, "{} against {products}", b.backward_weights);
+        assert!(b.backward > 2.0 * b.backward_weights, "{} against {}", b.backward, b.backward_weights);
+        let lstm = node(Op::Lstm { input: 16, hidden: 32 }, vec![8, 16]);
+        let l = price(&lstm, TpSplit::Replicated, (false, false), &cx);
+        let step_products = 2.0 * 4.0 * 4.0 * 32.0 * 48.0 / 1e9;
+        assert!((l.backward_weights - 8.0 * step_products).abs() < 1e-9 * l.backward_weights, "{}", l.backward_weights);
+        // the loss is all input pass
+        let head = node(Op::Linear { in_features: 64, out_features: 32, bias: false }, vec![64]);
+        let (plain, with_loss) = (
+            price(&head, TpSplit::Replicated, (false, false), &cx),
+            price(&head, TpSplit::Replicated, (false, true), &cx),
+        );
+        assert!(with_loss.backward > plain.backward);
+        assert_eq!(with_loss.backward_weights, plain.backward_weights);
     }
 
     /// pipec's executor on the CPU runs a convolution over its patch matrix

@@ -26,6 +26,10 @@ pub(crate) struct StageFigures {
     /// Per stage, the seconds of its forward a backward runs again (recompute inside the
     /// blocks; part of `times`' backward), in a split backward's input half.
     pub(crate) rerun: Vec<f64>,
+    /// Per stage, the seconds of its backward that are weight gradients
+    /// (`LayerCost::backward_weights_s`): a split backward's weight pass; its input pass
+    /// runs the rest of `times`' backward.
+    pub(crate) weight_grads: Vec<f64>,
     /// (forward, backward) seconds per microbatch of the expert-parallel all-to-alls the
     /// stage's passes wait for (0 without expert parallelism).
     pub(crate) ep_times: Vec<(f64, f64)>,
@@ -241,6 +245,8 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
         .collect();
     let backward: Vec<f64> = costs.iter().zip(&again).map(|(c, a)| c.backward_s + a).collect();
     let rerun: Vec<f64> = layout.ranges.iter().map(|r| again[r.clone()].iter().sum()).collect();
+    let weight_grads: Vec<f64> =
+        layout.ranges.iter().map(|r| costs[r.clone()].iter().map(|c| c.backward_weights_s).sum()).collect();
     let times: Vec<(f64, f64)> = layout
         .ranges
         .iter()
@@ -311,6 +317,7 @@ pub(crate) fn stage_figures(spec: &Spec, model: &ModelCosts, layout: &Layout) ->
         tp_times,
         recompute_tp,
         rerun,
+        weight_grads,
         ep_times,
         cp_times,
         expert_gradients,

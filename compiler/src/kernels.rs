@@ -190,6 +190,10 @@ pub(crate) struct Kernels<'a> {
     pub(crate) precision: Precision,
     pub(crate) p: f64,
     pub(crate) seconds: f64,
+    /// The part of `seconds` that is weight gradients: what a backward split into its input
+    /// and weight passes (zero bubble, a later stage sending its gradient first) runs in the
+    /// weight pass.
+    pub(crate) weights: f64,
     /// Whether products with FP8 operands run at the device's FP8 rate (else at the training
     /// precision's: [`Self::at_training_rate`]).
     pub(crate) fp8_rate: bool,
@@ -216,6 +220,21 @@ impl Product {
     fn step(&self, n: usize) -> Product {
         let n = n.max(1) as f64;
         Product { flops: self.flops / n, input: self.input / n, weights: self.weights, output: self.output / n }
+    }
+}
+
+impl<'a> Kernels<'a> {
+    /// No kernels yet, on `cx`'s device at its precision (`p` bytes a value).
+    pub(crate) fn of(cx: &CostContext<'a>, p: f64) -> Self {
+        Kernels {
+            device: cx.device,
+            precision: cx.precision,
+            p,
+            seconds: 0.0,
+            weights: 0.0,
+            fp8_rate: true,
+            casts: cx.fp8_casts,
+        }
     }
 }
 
@@ -294,16 +313,26 @@ impl Kernels<'_> {
     }
     /// Runs `kernels` at `efficiency` of what they are priced at: their seconds divided by it.
     pub(crate) fn at_efficiency(&mut self, efficiency: f64, kernels: impl FnOnce(&mut Self)) {
+        let (before, weights) = (self.seconds, self.weights);
+        kernels(self);
+        let efficiency = efficiency.max(f64::MIN_POSITIVE);
+        self.seconds = before + (self.seconds - before) / efficiency;
+        self.weights = weights + (self.weights - weights) / efficiency;
+    }
+    /// Runs `kernels` as weight-gradient work ([`Self::weights`]).
+    pub(crate) fn weight_pass(&mut self, kernels: impl FnOnce(&mut Self)) {
         let before = self.seconds;
         kernels(self);
-        self.seconds = before + (self.seconds - before) / efficiency.max(f64::MIN_POSITIVE);
+        self.weights += self.seconds - before;
     }
     /// A product's backward: its input gradient and its weight gradient, and under FP8
     /// training the output gradient's cast to FP8 (both layouts).
     pub(crate) fn gradients(&mut self, product: Product, fp8: bool) {
         if fp8 {
             self.grad_output_cast(product);
-            self.seconds += 2.0 * self.fp8_matrix_time(product.flops, product.values());
+            let each = self.fp8_matrix_time(product.flops, product.values());
+            self.seconds += each;
+            self.weight_pass(|k| k.seconds += each);
         } else {
             self.matrix(product.flops, product.values());
             self.weight_gradient(product.flops, product.values());
@@ -312,7 +341,8 @@ impl Kernels<'_> {
     /// A weight gradient's product of `flops` moving `values` values
     /// ([`DeviceModel::weight_gradient_time`]).
     pub(crate) fn weight_gradient(&mut self, flops: f64, values: f64) {
-        self.seconds += self.device.weight_gradient_time(flops, values * self.p, self.precision);
+        let seconds = self.device.weight_gradient_time(flops, values * self.p, self.precision);
+        self.weight_pass(|k| k.seconds += seconds);
     }
     /// [`Self::gradients`] with the input gradient in `input` steps and the weight gradient
     /// in `weight` steps over the rows (a split product's passes chunked against their
@@ -328,7 +358,12 @@ impl Kernels<'_> {
             let step = product.step(n);
             for _ in 0..n.max(1) {
                 if fp8 {
-                    self.seconds += self.fp8_matrix_time(step.flops, step.values());
+                    let seconds = self.fp8_matrix_time(step.flops, step.values());
+                    if weights {
+                        self.weight_pass(|k| k.seconds += seconds);
+                    } else {
+                        self.seconds += seconds;
+                    }
                 } else if weights {
                     self.weight_gradient(step.flops, step.values());
                 } else {
@@ -383,6 +418,7 @@ mod tests {
                     precision: Precision::Bf16,
                     p: 2.0,
                     seconds: 0.0,
+                    weights: 0.0,
                     fp8_rate: true,
                     casts,
                 };

@@ -22,6 +22,8 @@ pub(crate) struct PlanCost<'a> {
     recompute_tp: &'a [f64],
     /// `StageFigures::rerun`: what of a backward runs its forward again.
     rerun: &'a [f64],
+    /// `StageFigures::weight_grads`: what of a backward its weight pass runs.
+    weight_grads: &'a [f64],
     /// Per stage, the expert-parallel all-to-alls' seconds in a forward and a backward.
     pub(crate) stage_ep: &'a [(f64, f64)],
     /// Per stage, the context-parallel exchanges' seconds in a forward and a backward.
@@ -99,6 +101,7 @@ impl<'a> PlanCost<'a> {
             stage_tp: &stages.tp_times,
             recompute_tp: &stages.recompute_tp,
             rerun: &stages.rerun,
+            weight_grads: &stages.weight_grads,
             stage_ep: &stages.ep_times,
             stage_cp: &stages.cp_times,
             expert_groups: HashMap::new(),
@@ -283,17 +286,19 @@ impl PlanCost<'_> {
         let (tp_f, tp_b) = self.stage_tp.get(s).copied().unwrap_or((0.0, 0.0));
         let (cp_f, cp_b) = self.stage_cp.get(s).copied().unwrap_or((0.0, 0.0));
         let rerun = self.rerun.get(s).copied().unwrap_or(0.0).min(b);
+        let weights = self.weight_grads.get(s).copied().unwrap_or(0.0).clamp(0.0, b - rerun);
         // (expert parallelism's all-to-alls are the plan's own instructions after the pass)
         let (tp_f, tp_b) = (tp_f + cp_f, tp_b + cp_b);
         match instr.phase() {
             Phase::Forward => f + tp_f,
             Phase::Recompute => f + cp_f + self.recompute_tp.get(s).copied().unwrap_or(0.0),
             Phase::Backward => b + tp_b,
-            // the input gradient and the weight gradient each cost about one forward; the
-            // collectives complete the input gradient, which runs again what recompute inside
-            // the blocks runs again
-            Phase::BackwardInput => (b - rerun) / 2.0 + rerun + tp_b,
-            Phase::BackwardWeight => (b - rerun) / 2.0,
+            // the weight pass runs the weight gradients' kernels; the input pass everything
+            // else: the input gradients, the backward of what has no weights (attention's
+            // core, norms, activations, the loss), what recompute inside the blocks runs
+            // again, and the collectives that complete the input gradient
+            Phase::BackwardInput => b - weights + tp_b,
+            Phase::BackwardWeight => weights,
             Phase::Optimizer => self.stage_update.get(s).copied().unwrap_or(0.0),
             _ => 0.0,
         }

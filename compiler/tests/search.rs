@@ -569,10 +569,12 @@ fn a_plan_that_fits_only_sharded_and_recomputed_is_found() {
         report.candidates.iter().any(|c| matches!(c.recompute, Recompute::Stages(_)) && c.sharding.shards().0),
         "no partly recomputed candidate"
     );
-    // zb-h1 recomputing the attention cores: 26.445 s under the calibrated A100 model; the
-    // best recomputing whole forwards (interleaved with 2 chunks, 18 of its 32 stages
-    // recomputed) takes 33.056 s, what the search found before it tried the cores alone
-    assert!(p.step_s < 26.5, "{}: {} s", c.strategy(), p.step_s);
+    // interleaved with 2 chunks recomputing the attention cores: 26.502 s under the
+    // calibrated A100 model (zb-h1's 26.445 s led while its weight pass was half the
+    // backward); the best recomputing whole forwards (interleaved with 2 chunks, 18 of its
+    // 32 stages recomputed) takes 33.056 s, what the search found before it tried the cores
+    // alone
+    assert!(p.step_s < 26.6, "{}: {} s", c.strategy(), p.step_s);
     let full = report
         .candidates
         .iter()
@@ -594,10 +596,8 @@ fn a_plan_that_fits_only_sharded_and_recomputed_is_found() {
 fn an_unusual_winner_is_shown_beside_the_best_standard_layout() {
     use pipec_compiler::search::standard_family;
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    for (file, family) in [
-        ("bench/specs/gpt2-medium-h100.yaml", "FSDP / ZeRO data parallelism"),
-        ("bench/specs/mixtral-8x7b.yaml", "PP + EP"),
-    ] {
+    {
+        let (file, family) = ("bench/specs/gpt2-medium-h100.yaml", "FSDP / ZeRO data parallelism");
         let text = std::fs::read_to_string(root.join(file)).expect("spec");
         let checked = pipec_grammar::check_source(&text);
         let spec = checked.spec.expect("checks");
@@ -619,7 +619,18 @@ fn an_unusual_winner_is_shown_beside_the_best_standard_layout() {
         let json = report.to_json(&options, 3);
         assert_eq!(json["best_standard"]["family"], family, "{file}");
     }
-    // a standard winner: no such line
+    // a standard winner: no such line. Mixtral 8x7B on 128 H100s: interleaved PP 4 × EP 8
+    // (2.310 s) ahead of DualPipeV (2.319 s) since a split backward's weight pass is its weight
+    // gradients alone (DualPipeV won by 0.2% when it was half the backward)
+    let text = std::fs::read_to_string(root.join("bench/specs/mixtral-8x7b.yaml")).expect("spec");
+    let spec = pipec_grammar::check_source(&text).spec.expect("checks");
+    let options =
+        spec.strategy.auto.as_ref().map_or_else(SearchOptions::default, |a| SearchOptions::from_spec(&spec, a));
+    let report = search(&text, &spec, &CompileOptions::default(), &options);
+    let winner = report.ranked(options.headroom)[0].0;
+    assert_eq!(standard_family(&report.candidates[winner]), Some("PP + EP"));
+    assert!(!report.explain(&options, 3).contains("no standard layout"));
+    assert!(report.to_json(&options, 3)["best_standard"].is_null());
     let text = std::fs::read_to_string(root.join("specs/gpt2.yaml")).expect("spec");
     let spec = pipec_grammar::check_source(&text).spec.expect("checks");
     let options =

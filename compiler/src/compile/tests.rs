@@ -460,6 +460,16 @@ fn what_a_backward_runs_again_is_priced_in_it() {
     let (stage, mb, d) = (pipec_plan::StageId(0), pipec_plan::MicrobatchId(0), pipec_plan::DeviceId(0));
     let input = cost.compute(d, &Instr::BackwardInput { stage, mb });
     let weight = cost.compute(d, &Instr::BackwardWeight { stage, mb });
-    assert!((input - weight - rerun).abs() <= 1e-12 * input, "{input} − {weight} against {rerun}");
+    // the weight half is the weight gradients' kernels alone, the input half the rest
+    let weights = stages.weight_grads[0];
+    assert!(weights > 0.0 && (weight - weights).abs() <= 1e-12 * weight, "{weight} against {weights}");
+    assert!(input - rerun > weight, "{input} − {rerun} against {weight}");
     assert!((input + weight - stages.times[0].1).abs() <= 1e-12 * input);
+    // without the recompute the weight half is the same and the input half lighter by it
+    let (spec, model, plain) = figures(&[zb]);
+    let cost = crate::plan_cost::PlanCost::new(&spec, &model, &plain, Default::default());
+    let (input_plain, weight_plain) =
+        (cost.compute(d, &Instr::BackwardInput { stage, mb }), cost.compute(d, &Instr::BackwardWeight { stage, mb }));
+    assert!((weight_plain - weight).abs() <= 1e-12 * weight, "{weight_plain} against {weight}");
+    assert!((input - input_plain - rerun).abs() <= 1e-9 * input, "{input} − {input_plain} against {rerun}");
 }
