@@ -55,17 +55,22 @@ pub fn run(out: PathBuf, backend: Backend, memory: &str, reps: usize, concurrent
     // autodiff), beside their backwards; a GPU's the bare products
     let what = if backend == Backend::Cpu { "layer product (m·k·n)" } else { "matrix product (m·k·n)" };
     let backwards = measured.backward.len() == measured.products.len();
-    let columns =
-        if backwards { format!(" {:>12} {:>12} {:>12}", "backward", "weight grad.", "fitted") } else { String::new() };
+    let columns = if backwards {
+        format!(" {:>12} {:>12} {:>12} {:>12} {:>12}", "input grad.", "fitted", "weight grad.", "fitted", "backward")
+    } else {
+        String::new()
+    };
     eprintln!("{:>22} {:>14} {:>12} {:>12}{columns}", what, "FLOPs", "measured", "fitted");
     for (i, ((m, k, n), p)) in measured.products.iter().enumerate() {
         let bytes = pipec_executor::calibrate::product_bytes((*m, *k, *n));
         let fitted = d.matrix_time(p.size, bytes, pipec_plan::Precision::Fp32);
-        // the weight gradient: the backward beyond the input gradient (a forward's time)
+        // the split backward: its input half, its weight half, the whole
         let backward = match measured.backward.get(i).filter(|_| backwards) {
-            Some(b) => {
-                let fitted = d.weight_gradient_time(p.size, bytes, pipec_plan::Precision::Fp32);
-                format!(" {:>9.1} µs {:>9.1} µs {:>9.1} µs", b * 1e6, (b - p.seconds) * 1e6, fitted * 1e6)
+            Some(&[b, w]) => {
+                let input = d.input_gradient_time(p.size, bytes, pipec_plan::Precision::Fp32);
+                let weight = d.weight_gradient_time(p.size, bytes, pipec_plan::Precision::Fp32);
+                let us = |s: f64| format!(" {:>9.1} µs", s * 1e6);
+                [b - w, input, w, weight, b].map(us).concat()
             }
             None => String::new(),
         };
@@ -77,14 +82,18 @@ pub fn run(out: PathBuf, backend: Backend, memory: &str, reps: usize, concurrent
             fitted * 1e6
         );
     }
-    if let Some(w) = d.weight_gradient {
-        eprintln!(
-            "weight gradients (with their biases') fitted as products of their own: {:.2} GFLOP/s (half of it at {:.3e} FLOPs), operands beyond {:.0} KiB at {:.2} GB/s",
-            w.rate / 1e9,
-            w.half,
-            w.traffic.cached / 1024.0,
-            w.traffic.bandwidth / 1e9
-        );
+    for (what, fit) in
+        [("input gradients (with their biases')", d.input_gradient), ("weight gradients", d.weight_gradient)]
+    {
+        if let Some(w) = fit {
+            eprintln!(
+                "{what} fitted as products of their own: {:.2} GFLOP/s (half of it at {:.3e} FLOPs), operands beyond {:.0} KiB at {:.2} GB/s",
+                w.rate / 1e9,
+                w.half,
+                w.traffic.cached / 1024.0,
+                w.traffic.bandwidth / 1e9
+            );
+        }
     }
     eprintln!("{:>22} {:>14} {:>12} {:>12}", "element-wise add", "bytes", "measured", "fitted");
     for (n, p) in &measured.adds {

@@ -388,7 +388,7 @@ fn price(node: &OpNode, split: TpSplit, (first, last): (bool, bool), cx: &CostCo
             fwd.matrix(flops, values);
             // the input gradient (not for the model's input) and the weight gradient
             if !first {
-                bwd.matrix(flops, values);
+                bwd.input_gradient(flops, values);
             }
             bwd.weight_gradient(flops, values);
         }

@@ -334,9 +334,14 @@ impl Kernels<'_> {
             self.seconds += each;
             self.weight_pass(|k| k.seconds += each);
         } else {
-            self.matrix(product.flops, product.values());
+            self.input_gradient(product.flops, product.values());
             self.weight_gradient(product.flops, product.values());
         }
+    }
+    /// An input gradient's product of `flops` moving `values` values
+    /// ([`DeviceModel::input_gradient_time`]).
+    pub(crate) fn input_gradient(&mut self, flops: f64, values: f64) {
+        self.seconds += self.device.input_gradient_time(flops, values * self.p, self.precision);
     }
     /// A weight gradient's product of `flops` moving `values` values
     /// ([`DeviceModel::weight_gradient_time`]).
@@ -367,7 +372,7 @@ impl Kernels<'_> {
                 } else if weights {
                     self.weight_gradient(step.flops, step.values());
                 } else {
-                    self.matrix(step.flops, step.values());
+                    self.input_gradient(step.flops, step.values());
                 }
             }
         }

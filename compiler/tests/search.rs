@@ -596,51 +596,36 @@ fn a_plan_that_fits_only_sharded_and_recomputed_is_found() {
 fn an_unusual_winner_is_shown_beside_the_best_standard_layout() {
     use pipec_compiler::search::standard_family;
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    {
-        let (file, family) = ("bench/specs/gpt2-medium-h100.yaml", "FSDP / ZeRO data parallelism");
+    let searched = |file: &str| {
         let text = std::fs::read_to_string(root.join(file)).expect("spec");
-        let checked = pipec_grammar::check_source(&text);
-        let spec = checked.spec.expect("checks");
+        let spec = pipec_grammar::check_source(&text).spec.expect("checks");
         let options =
             spec.strategy.auto.as_ref().map_or_else(SearchOptions::default, |a| SearchOptions::from_spec(&spec, a));
-        let report = search(&text, &spec, &CompileOptions::default(), &options);
-        let ranked = report.ranked(options.headroom);
-        let (winner, best) = ranked[0];
-        assert!(standard_family(&report.candidates[winner]).is_none(), "{file}: the winner is a standard layout");
-        let (standard, p) = *ranked
-            .iter()
-            .find(|(i, _)| standard_family(&report.candidates[*i]).is_some())
-            .expect("a standard layout was planned beside the winner");
-        assert_eq!(standard_family(&report.candidates[standard]), Some(family), "{file}");
-        assert!(p.step_s >= best.step_s);
-        let text = report.explain(&options, 3);
-        let line = text.lines().find(|l| l.starts_with("the winner is no standard layout")).expect("the line");
-        assert!(line.contains(family) && line.contains("(+"), "{file}: {line}");
-        let json = report.to_json(&options, 3);
-        assert_eq!(json["best_standard"]["family"], family, "{file}");
-    }
+        (search(&text, &spec, &CompileOptions::default(), &options), options)
+    };
+    let (file, family) = ("bench/specs/gpt2-medium-h100.yaml", "FSDP / ZeRO data parallelism");
+    let (report, options) = searched(file);
+    let ranked = report.ranked(options.headroom);
+    let (winner, best) = ranked[0];
+    assert!(standard_family(&report.candidates[winner]).is_none(), "{file}: the winner is a standard layout");
+    let (standard, p) = *ranked
+        .iter()
+        .find(|(i, _)| standard_family(&report.candidates[*i]).is_some())
+        .expect("a standard layout was planned beside the winner");
+    assert_eq!(standard_family(&report.candidates[standard]), Some(family), "{file}");
+    assert!(p.step_s >= best.step_s);
+    let text = report.explain(&options, 3);
+    let line = text.lines().find(|l| l.starts_with("the winner is no standard layout")).expect("the line");
+    assert!(line.contains(family) && line.contains("(+"), "{file}: {line}");
+    assert_eq!(report.to_json(&options, 3)["best_standard"]["family"], family, "{file}");
     // a standard winner: no such line. Mixtral 8x7B on 128 H100s: interleaved PP 4 × EP 8
     // (2.310 s) ahead of DualPipeV (2.319 s) since a split backward's weight pass is its weight
     // gradients alone (DualPipeV won by 0.2% when it was half the backward)
-    let text = std::fs::read_to_string(root.join("bench/specs/mixtral-8x7b.yaml")).expect("spec");
-    let spec = pipec_grammar::check_source(&text).spec.expect("checks");
-    let options =
-        spec.strategy.auto.as_ref().map_or_else(SearchOptions::default, |a| SearchOptions::from_spec(&spec, a));
-    let report = search(&text, &spec, &CompileOptions::default(), &options);
+    let (report, options) = searched("bench/specs/mixtral-8x7b.yaml");
     let winner = report.ranked(options.headroom)[0].0;
     assert_eq!(standard_family(&report.candidates[winner]), Some("PP + EP"));
     assert!(!report.explain(&options, 3).contains("no standard layout"));
     assert!(report.to_json(&options, 3)["best_standard"].is_null());
-    let text = std::fs::read_to_string(root.join("specs/gpt2.yaml")).expect("spec");
-    let spec = pipec_grammar::check_source(&text).spec.expect("checks");
-    let options =
-        spec.strategy.auto.as_ref().map_or_else(SearchOptions::default, |a| SearchOptions::from_spec(&spec, a));
-    let report = search(&text, &spec, &CompileOptions::default(), &options);
-    let winner = report.ranked(options.headroom)[0].0;
-    if standard_family(&report.candidates[winner]).is_some() {
-        assert!(!report.explain(&options, 3).contains("no standard layout"));
-        assert!(report.to_json(&options, 3)["best_standard"].is_null());
-    }
 }
 
 /// Expert tensor parallelism in the search: under an engine that runs experts whole beside

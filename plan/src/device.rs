@@ -289,6 +289,15 @@ pub struct DeviceModel {
     /// ([`weight_gradient_time`](Self::weight_gradient_time)).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub weight_gradient: Option<ProductFit>,
+    /// The executor's input gradients (a linear layer's `dy · Wᵀ`, with the bias's gradient
+    /// and the autodiff's work) as products of their own, where `pipec calibrate` timed the
+    /// layers' backwards split (the CPU): 0.7–0.8 of a forward of the same size in a running
+    /// step on a 2-core Xeon (docs/benchmarks.md, "A split backward priced as the executor
+    /// splits it"). None (the presets, and device files measured before): an input gradient
+    /// is priced as any product of its size
+    /// ([`input_gradient_time`](Self::input_gradient_time)).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub input_gradient: Option<ProductFit>,
     /// pipec's executor drawing synthetic data as training runs, as `pipec calibrate`
     /// measured it (the CPU); None on the presets, whose data loading is not priced.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -515,7 +524,19 @@ impl DeviceModel {
     /// that fit prices it (at the precision's rate against fp32's); elsewhere
     /// [`matrix_time`](Self::matrix_time).
     pub fn weight_gradient_time(&self, flops: f64, bytes: f64, precision: Precision) -> f64 {
-        match self.weight_gradient {
+        self.gradient_time(self.weight_gradient, flops, bytes, precision)
+    }
+
+    /// [`weight_gradient_time`](Self::weight_gradient_time) for an input gradient's product,
+    /// by [`input_gradient`](Self::input_gradient) where the device measured it.
+    pub fn input_gradient_time(&self, flops: f64, bytes: f64, precision: Precision) -> f64 {
+        self.gradient_time(self.input_gradient, flops, bytes, precision)
+    }
+
+    /// A gradient's product priced by `fit` (at the precision's rate against fp32's), else
+    /// as any product of its size.
+    fn gradient_time(&self, fit: Option<ProductFit>, flops: f64, bytes: f64, precision: Precision) -> f64 {
+        match fit {
             Some(w) if flops > 0.0 || bytes > 0.0 => {
                 self.launch
                     + w.seconds(flops, bytes, self.matrix.of(precision) / self.matrix.fp32.max(f64::MIN_POSITIVE))
@@ -551,12 +572,13 @@ impl DeviceModel {
             layer_pass,
             layer_pass_backward,
             weight_gradient,
+            input_gradient,
             data,
         } = self;
         let mut rates = vec![vector];
         rates.extend(functions.rates_mut());
         rates.extend([product_traffic, memory_traffic].into_iter().flatten().map(|t| &mut t.bandwidth));
-        if let Some(ProductFit { rate, half: _, traffic }) = weight_gradient {
+        for ProductFit { rate, half: _, traffic } in [weight_gradient, input_gradient].into_iter().flatten() {
             rates.extend([rate, &mut traffic.bandwidth]);
         }
         for rate in rates {
@@ -604,6 +626,7 @@ impl DeviceModel {
             layer_pass: None,
             layer_pass_backward: None,
             weight_gradient: None,
+            input_gradient: None,
             data: None,
         }
     }
@@ -653,10 +676,12 @@ impl DeviceModel {
         if let Some(r) = d.data.filter(|r| !r.is_valid()) {
             return Err(format!("the synthetic data's draw needs finite seconds of 0 or more per value, found {r:?}"));
         }
-        if let Some(w) = d.weight_gradient.filter(|w| !w.is_valid()) {
-            return Err(format!(
-                "the weight gradients' fit needs a positive rate and bandwidth and a half and cached bytes of 0 or more, found {w:?}"
-            ));
+        for (what, fit) in [("weight", d.weight_gradient), ("input", d.input_gradient)] {
+            if let Some(w) = fit.filter(|w| !w.is_valid()) {
+                return Err(format!(
+                    "the {what} gradients' fit needs a positive rate and bandwidth and a half and cached bytes of 0 or more, found {w:?}"
+                ));
+            }
         }
         for (what, s) in [("backward", d.layer_pass_backward), ("pass", d.layer_pass)] {
             if s.is_some_and(|s| !(s.is_finite() && s >= 0.0)) {
@@ -1196,6 +1221,8 @@ mod tests {
         d.layer_pass_backward = Some(6e-6);
         d.data = Some(DrawRates { feature: 2.6e-8, token: 3e-9, score: 2.5e-10 });
         d.link = Some(MeasuredLink { bandwidth: 3e14, latency: 3e-5, efficiency: 1.0 });
+        let gradients = ProductFit { rate: 1e11, half: 1e6, traffic: Traffic::new(1e10, 1e6) };
+        (d.weight_gradient, d.input_gradient) = (Some(gradients), Some(ProductFit { rate: 2e11, ..gradients }));
         let mut fast = d.clone();
         fast.run_faster(2.0);
         let close = |a: f64, b: f64| (a - b).abs() <= 1e-12 * b.abs();
@@ -1207,6 +1234,9 @@ mod tests {
         assert!(close(fast.optimizer.expect("kept").adam.per_parameter, 4e-9));
         assert!(close(fast.attention.expect("kept").backward.per_mac, 5e-12));
         assert!(close(fast.data.expect("kept").feature, 1.3e-8));
+        let (weight, input) = (fast.weight_gradient.expect("kept"), fast.input_gradient.expect("kept"));
+        assert!(close(weight.rate, 2e11) && close(weight.traffic.bandwidth, 2e10) && weight.half == 1e6);
+        assert!(close(input.rate, 4e11) && close(input.traffic.bandwidth, 2e10));
         let unmoved =
             |m: &DeviceModel| (m.memory_bandwidth, m.matrix, m.matrix_efficiency, m.memory_efficiency, m.link);
         assert_eq!(unmoved(&fast), unmoved(&d));

@@ -45,9 +45,9 @@ pub struct Calibration {
     /// Attention as the executor runs it (the CPU): shape, forward and backward seconds.
     pub attention: Vec<(AttentionShape, f64, f64)>,
     /// Per product of [`products`](Self::products) timed as the executor's layers run it
-    /// (the CPU), the layer's backward seconds (its input, weight and bias gradients);
-    /// empty where the bare products were timed.
-    pub backward: Vec<f64>,
+    /// (the CPU), the layer's split backward: its seconds (its input, weight and bias
+    /// gradients) and its weight half's; empty where the bare products were timed.
+    pub backward: Vec<[f64; 2]>,
 }
 
 /// The median of `reps` timings of `f` after `warmup` untimed runs.
@@ -524,7 +524,7 @@ pub fn calibrate_cpu_concurrent(memory: f64, reps: usize, threads: usize) -> Res
     };
     let mut c = mean_calibration(&runs, memory, &name);
     fit_product_traffic(&mut c);
-    c.device.weight_gradient = weight_gradient(&c.products, &c.backward, c.device.launch);
+    (c.device.input_gradient, c.device.weight_gradient) = gradient_fits(&c.products, &c.backward, c.device.launch);
     fit_memory_traffic(&mut c);
     c.device.attention = attention_rates(&c.attention);
     Ok(c)
@@ -553,7 +553,7 @@ fn mean_calibration(runs: &[Calibration], memory: f64, name: &str) -> Calibratio
         })
         .collect();
     let mut c = fitted(name, memory, launch, products, adds, functions);
-    c.backward = (0..first.backward.len()).map(|i| mean(&|c| c.backward[i])).collect();
+    c.backward = (0..first.backward.len()).map(|i| [0, 1].map(|h| mean(&|c| c.backward[i][h]))).collect();
     c.attention = (0..first.attention.len())
         .map(|i| (first.attention[i].0, mean(&|c| c.attention[i].1), mean(&|c| c.attention[i].2)))
         .collect();
@@ -630,14 +630,16 @@ pub fn cpu_name() -> String {
 /// What the calibration measures and fits, revised when either changes (2: the element-wise
 /// kernels' bytes beyond the cache, [`fit_memory_traffic`], and the synthetic data's draws;
 /// 3: the products fitted to the layers' forwards, their weight gradients apart,
-/// [`weight_gradient`]; 4: the layers' weight gradients added into their sums in every
+/// `gradient_fits`; 4: the layers' weight gradients added into their sums in every
 /// timed pass, as a step adds them, where passes after the first update had made them apart;
 /// 5: the optimizer updates timed from memory out of the caches, [`EVICT_BYTES`]; 6: the
 /// products' compute and traffic combined by a fitted norm, `Traffic::norm`; 7: a gated
 /// unit's activation and the cross-entropy timed as the executor runs them, with their
 /// gradients; 8: the kernels it times changed speed, their exponentials and GELU vectorized,
-/// `crate::backend::flex_exp`, both GELUs timed as the executor runs them, `Kernels::gelu_of`).
-const MEASURES: u32 = 8;
+/// `crate::backend::flex_exp`, both GELUs timed as the executor runs them, `Kernels::gelu_of`;
+/// 9: the layers' backwards timed split, their input and weight gradients fitted apart,
+/// [`gradient_fits`]).
+const MEASURES: u32 = 9;
 
 /// The file under `dir` that keeps the calibration of `workers` workers on the CPU `cpu`
 /// (`pipec run`'s cache of this machine): named by FNV-1a of the CPU's name, the worker count,

@@ -18,7 +18,10 @@ use crate::interp::data::Targets;
 use crate::interp::stage::StageOptim;
 use crate::interp::values::require_grad;
 use crate::nn::layers::{Act, StageGraph, StageModel};
-use crate::nn::params::{accumulate, backward_into_model_sums, collect_grads, FlatGrads};
+use crate::nn::params::{
+    accumulate, add_deferred_into_sums, backward_deferring, backward_into_model_sums, collect_grads, sum_keys,
+    FlatGrads,
+};
 
 /// The median of `v` (the upper one of an even count; 0 for none).
 pub(crate) fn median(mut v: Vec<f64>) -> f64 {
@@ -83,6 +86,8 @@ impl Reduce {
 pub(crate) struct Passes {
     pub(crate) forward: f64,
     pub(crate) backward: f64,
+    /// Of a backward timed split (`time_passes`' `split`), its weight half; else 0.
+    pub(crate) weights: f64,
     pub(crate) update: f64,
 }
 
@@ -92,16 +97,19 @@ pub(crate) struct Passes {
 /// backwards and the updates. A backward is timed as the executor runs it: the autodiff
 /// pass and the weight gradients added into the step's sums. An update is the optimizer
 /// step (`StageOptim::update`), with a learning rate of zero, which costs the same work and
-/// keeps the weights at their values. Both counts are rounded up to whole groups.
+/// keeps the weights at their values. Both counts are rounded up to whole groups. With
+/// `split`, each backward runs as a split backward's two halves (the weight gradients of
+/// the dense weights put off, then added into the sums: `BackwardInput`, `BackwardWeight`),
+/// the weight half timed apart too.
 pub(crate) fn time_passes<B: ExecBackend>(
     mut model: StageModel<B>,
     dev: &B::Device,
     optimizer: &pipec_plan::plan::OptimizerPlan,
     (warmup, reps, per_version): (usize, usize, usize),
-    (what, reduce): (&str, &Reduce),
+    (what, reduce, split): (&str, &Reduce, bool),
     mut input: impl FnMut() -> Act<B>,
 ) -> Result<Passes, ExecError> {
-    let (mut fwd, mut bwd, mut upd) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut fwd, mut bwd, mut wgt, mut upd) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut optim = StageOptim::<B>::new(optimizer, &crate::nn::params::layout::<B, _>(&model), Default::default());
     let mut acc = FlatGrads::<B>::new();
     let per_version = per_version.max(1);
@@ -123,8 +131,19 @@ pub(crate) fn time_passes<B: ExecBackend>(
         // as the executor runs it: dense weight gradients added into the sums inside the
         // backward, the rest collected and added after
         // (the keys read from the model every pass: an update makes new weights)
-        let mut grads = backward_into_model_sums::<B, _>(&model, &mut acc, || s.backward());
-        accumulate::<B>(&mut acc, collect_grads(&model, &mut grads));
+        let half = if split {
+            let keys = sum_keys(&model);
+            let (mut grads, deferred) = backward_deferring::<B>(&keys, || s.backward());
+            accumulate::<B>(&mut acc, collect_grads(&model, &mut grads));
+            let _ = B::sync(dev);
+            let half = Instant::now();
+            add_deferred_into_sums::<B>(&mut acc, &keys, deferred);
+            Some(half)
+        } else {
+            let mut grads = backward_into_model_sums::<B, _>(&model, &mut acc, || s.backward());
+            accumulate::<B>(&mut acc, collect_grads(&model, &mut grads));
+            None
+        };
         // the backward's kernels run before the clock stops (else the next forward's wait
         // would count them)
         let _ = B::sync(dev);
@@ -132,6 +151,7 @@ pub(crate) fn time_passes<B: ExecBackend>(
         if r >= warmup {
             fwd.push((t1 - t0).as_secs_f64() * 1e3);
             bwd.push((t2 - t1).as_secs_f64() * 1e3);
+            wgt.push(half.map_or(0.0, |h| (t2 - h).as_secs_f64() * 1e3));
         }
         if (r + 1) % per_version == 0 {
             let t3 = Instant::now();
@@ -143,7 +163,7 @@ pub(crate) fn time_passes<B: ExecBackend>(
             }
         }
     }
-    Ok(Passes { forward: median(fwd), backward: median(bwd), update: median(upd) })
+    Ok(Passes { forward: median(fwd), backward: median(bwd), weights: median(wgt), update: median(upd) })
 }
 
 /// Waits for every weight of `model` (one value each; lazy backends run what they queued).
@@ -217,7 +237,7 @@ pub fn profile_layers<B: ExecBackend>(
         let per_version = forwards_per_version(plan, i);
         let reduce = Reduce::of(plan, i);
         let counts = (warmup, reps, per_version);
-        let passes = time_passes(model, dev, &plan.training.optimizer, counts, ("a layer", &reduce), || {
+        let passes = time_passes(model, dev, &plan.training.optimizer, counts, ("a layer", &reduce, false), || {
             let parts: Vec<Act<B>> = shapes.iter().map(|shape| random_input::<B>(shape, tokens, dev)).collect();
             let x = Act::from_parts(parts);
             if i == 0 {
@@ -250,7 +270,7 @@ pub fn profile_layers<B: ExecBackend>(
     let per_version = forwards_per_version(plan, 0);
     let reduce = Reduce::of(plan, plan.layers.len());
     let counts = (warmup, reps, per_version);
-    let whole = time_passes(whole, dev, &plan.training.optimizer, counts, ("the model", &reduce), || {
+    let whole = time_passes(whole, dev, &plan.training.optimizer, counts, ("the model", &reduce, false), || {
         random_input::<B>(&shape, tokens, dev)
     })?;
     let sums = |f: fn(&ProfiledLayer) -> f64| out.iter().map(f).sum::<f64>();

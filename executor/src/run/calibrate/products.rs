@@ -26,9 +26,10 @@ pub fn product_bytes((m, k, n): (usize, usize, usize)) -> f64 {
 /// layers of that product (k → n, then n → k, ...), x·W + b forward through autodiff and its
 /// backward with the weight gradients added into the step's sums, [`PER_VERSION`]
 /// microbatches per weight version (timed as `pipec profile` times a model; the updates
-/// between versions untimed). A
-/// point is one product's FLOPs and a layer's forward, beside the layer's backward seconds
-/// (its input, weight and bias gradients: [`weight_gradient`]). The CPU's device file fits
+/// between versions untimed), each backward run as a split backward's two halves. A point
+/// is one product's FLOPs and a layer's forward, beside the layer's backward seconds (its
+/// input, weight and bias gradients) and of those its weight half's (the weight gradient
+/// added into the sum: [`gradient_fits`]). The CPU's device file fits
 /// its matrix rate and the products' bandwidth to these: a layer's products cost what the
 /// executor's layer costs in a step — its autodiff, bias, allocations and the traffic of
 /// weights that do not stay in cache included — not what the bare kernel does.
@@ -37,7 +38,7 @@ pub fn layer_products<B: crate::backend::kernels::ExecBackend>(
     reps: usize,
     shapes: &[(usize, usize, usize)],
     at_point: &(dyn Fn() + Sync),
-) -> Result<Vec<(Shape, Point, f64)>, String> {
+) -> Result<Vec<(Shape, Point, [f64; 2])>, String> {
     use pipec_plan::model::Op;
     // a learning rate of zero: the updates do their work and keep the weights
     let sgd = pipec_plan::plan::OptimizerPlan::Sgd { lr: 0.0, momentum: 0.0, weight_decay: 0.0 };
@@ -61,12 +62,14 @@ pub fn layer_products<B: crate::backend::kernels::ExecBackend>(
                 device,
                 &sgd,
                 (PER_VERSION, reps.max(PER_VERSION), PER_VERSION),
-                ("a calibration stack", &crate::run::profile::Reduce::Sum),
+                ("a calibration stack", &crate::run::profile::Reduce::Sum, true),
                 input,
             )
             .map_err(|e| format!("timing {m}·{k}·{n} layers: {e}"))?;
-            let (forward, backward) = (passes.forward / 1e3 / STACK as f64, passes.backward / 1e3 / STACK as f64);
-            Ok(((m, k, n), Point { size: 2.0 * (m * k * n) as f64, seconds: forward }, backward))
+            let per_layer = |ms: f64| ms / 1e3 / STACK as f64;
+            let (forward, backward, weights) =
+                (per_layer(passes.forward), per_layer(passes.backward), per_layer(passes.weights));
+            Ok(((m, k, n), Point { size: 2.0 * (m * k * n) as f64, seconds: forward }, [backward, weights]))
         })
         .collect();
     points
@@ -153,26 +156,35 @@ pub fn fit_product_traffic(c: &mut Calibration) {
     }
 }
 
-/// The launches a weight gradient must take to be fitted ([`weight_gradient`]).
-const WEIGHT_GRADIENT_LAUNCHES: f64 = 10.0;
+/// The launches a gradient half must take to be fitted ([`gradient_fits`]).
+const GRADIENT_LAUNCHES: f64 = 10.0;
 
-/// The executor's weight gradients fitted as products of their own
-/// ([`fit_products_with_traffic`]): per timed layer, its backward beyond the input
-/// gradient, which costs what the forward does (`gemm` runs `dy · Wᵀ` as fast as `x · W`;
-/// docs/benchmarks.md), a point of the product's FLOPs and operand bytes. A layer whose
-/// backward outlasts its forward by less than [`WEIGHT_GRADIENT_LAUNCHES`] launches is left
-/// out: that difference of two timings is their noise, and a fit in relative error would
-/// follow it (one 8·64·64 layer's 0.3 µs, under a launch, once made the fit drop the
-/// compute and price the largest layers' weight gradients at half their time). None with
-/// fewer than two layers left.
-pub fn weight_gradient(forwards: &[(Shape, Point)], backwards: &[f64], launch: f64) -> Option<ProductFit> {
-    let points: Vec<(f64, f64, f64)> = forwards
-        .iter()
-        .zip(backwards)
-        .map(|(&(shape, f), &b)| (f.size, product_bytes(shape), b - f.seconds))
-        .filter(|&(_, _, t)| t.is_finite() && t > (WEIGHT_GRADIENT_LAUNCHES * launch).max(0.0))
-        .collect();
-    fit_products_with_traffic(&points, launch).map(|(fit, _)| fit)
+/// The executor's input gradients and weight gradients, each fitted as products of their
+/// own ([`fit_products_with_traffic`]) from the layers' split backwards (`[backward, weight
+/// half]` per layer of `forwards`): the weight half is the weight gradient added into the
+/// step's sum, the rest the input gradient with the bias's and the autodiff's work — in a
+/// running step a dense layer's input gradient took 0.8 of its forward and its weight
+/// gradient more than the backward beyond the forward (docs/benchmarks.md, "A split
+/// backward priced as the executor splits it"). A layer whose half takes less than
+/// [`GRADIENT_LAUNCHES`] launches is left out of that half's fit: so short a timing is
+/// noise, and a fit in relative error would follow it (one 8·64·64 layer's 0.3 µs, under a
+/// launch, once made the fit drop the compute and price the largest layers' weight
+/// gradients at half their time). Each None with fewer than two layers left.
+pub fn gradient_fits(
+    forwards: &[(Shape, Point)],
+    backwards: &[[f64; 2]],
+    launch: f64,
+) -> (Option<ProductFit>, Option<ProductFit>) {
+    let fit = |half: &dyn Fn([f64; 2]) -> f64| {
+        let points: Vec<(f64, f64, f64)> = forwards
+            .iter()
+            .zip(backwards)
+            .map(|(&(shape, f), &b)| (f.size, product_bytes(shape), half(b)))
+            .filter(|&(_, _, t)| t.is_finite() && t > (GRADIENT_LAUNCHES * launch).max(0.0))
+            .collect();
+        fit_products_with_traffic(&points, launch).map(|(fit, _)| fit)
+    };
+    (fit(&|[backward, weights]| backward - weights), fit(&|[_, weights]| weights))
 }
 
 /// An attention's (batch, positions, heads, head features) in a calibration.

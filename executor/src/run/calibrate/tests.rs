@@ -105,29 +105,41 @@ fn a_layers_products_are_timed_through_autodiff_one_product_a_point() {
         layer_products::<crate::backend::CpuBackend>(&Default::default(), 3, &[(8, 16, 32), (16, 64, 64)], &|| {})
             .expect("linear layers run");
     assert_eq!(points.iter().map(|p| p.0).collect::<Vec<_>>(), vec![(8, 16, 32), (16, 64, 64)]);
-    for ((m, k, n), p, backward) in points {
+    for ((m, k, n), p, [backward, weights]) in points {
         assert_eq!(p.size, 2.0 * (m * k * n) as f64);
         assert!(p.seconds > 0.0 && p.seconds.is_finite(), "{p:?}");
+        // the backward timed split: its weight half a part of it
         assert!(backward > 0.0 && backward.is_finite(), "{backward}");
+        assert!(weights > 0.0 && weights < backward, "{weights} of {backward}");
     }
 }
 
 #[test]
-fn the_weight_gradients_are_fitted_as_products_of_their_own_from_the_backward_beyond_the_forward() {
+fn the_input_and_weight_gradients_are_fitted_as_products_of_their_own_from_the_split_backward() {
     // weight gradients of 1e11 FLOP/s reaching half of it at 1e6 FLOPs, operands beyond 1
-    // MiB at 1e10 B/s, a launch of 0.3 µs, on the sweep's shapes, behind forwards of 0.1 ms
+    // MiB at 1e10 B/s, input gradients of 2e11 FLOP/s with the same curve and traffic, a
+    // launch of 0.3 µs, on the sweep's shapes (the forwards' times play no part)
     let truth = ProductFit { rate: 1e11, half: 1e6, traffic: Traffic::new(1e10, 1048576.0) };
+    let input_truth = ProductFit { rate: 2e11, ..truth };
     let launch = 3e-7;
     let shapes = Sweep::CPU.products;
     let forwards: Vec<(Shape, Point)> =
         shapes.iter().map(|&s| (s, Point { size: 2.0 * (s.0 * s.1 * s.2) as f64, seconds: 1e-4 })).collect();
-    let backwards: Vec<f64> =
-        forwards.iter().map(|&(s, f)| f.seconds + launch + truth.seconds(f.size, product_bytes(s), 1.0)).collect();
-    let fit = weight_gradient(&forwards, &backwards, launch).expect("fits");
-    assert!(
-        (fit.rate / truth.rate - 1.0).abs() < 1e-3 && fit.half == truth.half && fit.traffic == truth.traffic,
-        "{fit:?}"
-    );
+    let backwards: Vec<[f64; 2]> = forwards
+        .iter()
+        .map(|&(s, f)| {
+            let half = |fit: ProductFit| launch + fit.seconds(f.size, product_bytes(s), 1.0);
+            [half(input_truth) + half(truth), half(truth)]
+        })
+        .collect();
+    let (input, fit) = gradient_fits(&forwards, &backwards, launch);
+    let (input, fit) = (input.expect("the input gradients fit"), fit.expect("the weight gradients fit"));
+    for (fit, truth) in [(fit, truth), (input, input_truth)] {
+        assert!(
+            (fit.rate / truth.rate - 1.0).abs() < 1e-3 && fit.half == truth.half && fit.traffic == truth.traffic,
+            "{fit:?} against {truth:?}"
+        );
+    }
     // a device with the fit prices a weight gradient by it, one without as a product
     let mut device = DeviceModel::uniform("cpu", 1e9, 2e11);
     device.launch = launch;
@@ -139,9 +151,17 @@ fn the_weight_gradients_are_fitted_as_products_of_their_own_from_the_backward_be
     device.weight_gradient = Some(fit);
     let t = device.weight_gradient_time(flops, bytes, pipec_plan::Precision::Fp32);
     assert!((t / (launch + truth.seconds(flops, bytes, 1.0)) - 1.0).abs() < 1e-3, "{t}");
-    // a backward no longer than its forward says nothing: fewer than two points, no fit
-    let short: Vec<f64> = forwards.iter().map(|(_, f)| f.seconds * 0.9).collect();
-    assert_eq!(weight_gradient(&forwards, &short, launch), None);
+    // the input gradient: by its own fit where there is one, else as a product
+    assert_eq!(
+        device.input_gradient_time(flops, bytes, pipec_plan::Precision::Fp32),
+        device.matrix_time(flops, bytes, pipec_plan::Precision::Fp32)
+    );
+    device.input_gradient = Some(input);
+    let t = device.input_gradient_time(flops, bytes, pipec_plan::Precision::Fp32);
+    assert!((t / (launch + input_truth.seconds(flops, bytes, 1.0)) - 1.0).abs() < 1e-3, "{t}");
+    // halves under ten launches say nothing: fewer than two points, no fit
+    let short: Vec<[f64; 2]> = forwards.iter().map(|_| [4.0 * launch, 2.0 * launch]).collect();
+    assert_eq!(gradient_fits(&forwards, &short, launch), (None, None));
 }
 
 #[test]
