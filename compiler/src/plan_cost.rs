@@ -286,7 +286,7 @@ impl PlanCost<'_> {
         let (tp_f, tp_b) = self.stage_tp.get(s).copied().unwrap_or((0.0, 0.0));
         let (cp_f, cp_b) = self.stage_cp.get(s).copied().unwrap_or((0.0, 0.0));
         let rerun = self.rerun.get(s).copied().unwrap_or(0.0).min(b);
-        let weights = self.weight_grads.get(s).copied().unwrap_or(0.0).clamp(0.0, b - rerun);
+        let weights = self.weight_grads.get(s).copied().unwrap_or(0.0).min(b - rerun).max(0.0);
         // (expert parallelism's all-to-alls are the plan's own instructions after the pass)
         let (tp_f, tp_b) = (tp_f + cp_f, tp_b + cp_b);
         match instr.phase() {
