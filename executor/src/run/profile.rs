@@ -131,19 +131,21 @@ pub(crate) fn time_passes<B: ExecBackend>(
         // as the executor runs it: dense weight gradients added into the sums inside the
         // backward, the rest collected and added after
         // (the keys read from the model every pass: an update makes new weights)
-        let half = if split {
+        // (split: the dense weights' gradients put off to a weight half timed apart)
+        let (mut grads, deferred) = if split {
             let keys = sum_keys(&model);
-            let (mut grads, deferred) = backward_deferring::<B>(&keys, || s.backward());
-            accumulate::<B>(&mut acc, collect_grads(&model, &mut grads));
+            let (grads, deferred) = backward_deferring::<B>(&keys, || s.backward());
+            (grads, Some((keys, deferred)))
+        } else {
+            (backward_into_model_sums::<B, _>(&model, &mut acc, || s.backward()), None)
+        };
+        accumulate::<B>(&mut acc, collect_grads(&model, &mut grads));
+        let half = deferred.map(|(keys, deferred)| {
             let _ = B::sync(dev);
             let half = Instant::now();
             add_deferred_into_sums::<B>(&mut acc, &keys, deferred);
-            Some(half)
-        } else {
-            let mut grads = backward_into_model_sums::<B, _>(&model, &mut acc, || s.backward());
-            accumulate::<B>(&mut acc, collect_grads(&model, &mut grads));
-            None
-        };
+            half
+        });
         // the backward's kernels run before the clock stops (else the next forward's wait
         // would count them)
         let _ = B::sync(dev);

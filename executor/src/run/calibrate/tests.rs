@@ -140,25 +140,22 @@ fn the_input_and_weight_gradients_are_fitted_as_products_of_their_own_from_the_s
             "{fit:?} against {truth:?}"
         );
     }
-    // a device with the fit prices a weight gradient by it, one without as a product
+    // a device with a fit prices that gradient by it, one without as a product
     let mut device = DeviceModel::uniform("cpu", 1e9, 2e11);
     device.launch = launch;
-    let (flops, bytes) = (2.0 * 64.0 * 512.0 * 512.0, product_bytes((64, 512, 512)));
-    assert_eq!(
-        device.weight_gradient_time(flops, bytes, pipec_plan::Precision::Fp32),
-        device.matrix_time(flops, bytes, pipec_plan::Precision::Fp32)
-    );
-    device.weight_gradient = Some(fit);
-    let t = device.weight_gradient_time(flops, bytes, pipec_plan::Precision::Fp32);
-    assert!((t / (launch + truth.seconds(flops, bytes, 1.0)) - 1.0).abs() < 1e-3, "{t}");
-    // the input gradient: by its own fit where there is one, else as a product
-    assert_eq!(
-        device.input_gradient_time(flops, bytes, pipec_plan::Precision::Fp32),
-        device.matrix_time(flops, bytes, pipec_plan::Precision::Fp32)
-    );
-    device.input_gradient = Some(input);
-    let t = device.input_gradient_time(flops, bytes, pipec_plan::Precision::Fp32);
-    assert!((t / (launch + input_truth.seconds(flops, bytes, 1.0)) - 1.0).abs() < 1e-3, "{t}");
+    let (flops, bytes, fp32) = (2.0 * 64.0 * 512.0 * 512.0, product_bytes((64, 512, 512)), pipec_plan::Precision::Fp32);
+    type Time = fn(&DeviceModel, f64, f64, pipec_plan::Precision) -> f64;
+    type Set = fn(&mut DeviceModel, ProductFit);
+    let halves: [(Time, Set, ProductFit, ProductFit); 2] = [
+        (DeviceModel::weight_gradient_time, |d, f| d.weight_gradient = Some(f), fit, truth),
+        (DeviceModel::input_gradient_time, |d, f| d.input_gradient = Some(f), input, input_truth),
+    ];
+    for (time, set, fitted, truth) in halves {
+        assert_eq!(time(&device, flops, bytes, fp32), device.matrix_time(flops, bytes, fp32));
+        set(&mut device, fitted);
+        let t = time(&device, flops, bytes, fp32);
+        assert!((t / (launch + truth.seconds(flops, bytes, 1.0)) - 1.0).abs() < 1e-3, "{t}");
+    }
     // halves under ten launches say nothing: fewer than two points, no fit
     let short: Vec<[f64; 2]> = forwards.iter().map(|_| [4.0 * launch, 2.0 * launch]).collect();
     assert_eq!(gradient_fits(&forwards, &short, launch), (None, None));
