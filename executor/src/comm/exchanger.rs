@@ -18,9 +18,13 @@
 //!   device's collectives keep one order.
 //!
 //! A transfer that fails fails the command that waits for it, or the step's fence. Each
-//! thread records when it ran each instruction, for the measured trace.
+//! thread records when it ran each instruction, for the measured trace; the fence reads
+//! those records without waking the threads when they have finished every command sent
+//! them (each wake-up costs, on a machine whose cores the workers fill).
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
 use pipec_plan::{CollectiveKind, DeviceId, PassOp, PeerDim, ReduceMode};
@@ -65,7 +69,63 @@ enum Coll {
 /// A handle that runs all-to-all exchanges on a device's collective thread, in order with
 /// its other collectives: what an autodiff node's backward holds (expert parallelism).
 #[derive(Clone)]
-pub struct Exchanger(Sender<Coll>, Ledger);
+pub struct Exchanger(Thread<Coll>, Ledger);
+
+/// What a communication thread has done since the worker last took its record: the
+/// instructions it ran (the trace), its first failure, and how many commands it finished.
+#[derive(Default)]
+struct Done {
+    trace: CommTrace,
+    failed: Option<TransportError>,
+    commands: usize,
+}
+
+/// The worker's side of one communication thread: its command queue, what it has done,
+/// and how many commands were sent it (by the worker and the [`Exchanger`]s it handed out,
+/// all on the worker's thread).
+struct Thread<C> {
+    tx: Sender<C>,
+    done: Arc<Mutex<Done>>,
+    issued: Arc<AtomicUsize>,
+}
+
+impl<C> Clone for Thread<C> {
+    fn clone(&self) -> Self {
+        Thread { tx: self.tx.clone(), done: self.done.clone(), issued: self.issued.clone() }
+    }
+}
+
+impl<C> Thread<C> {
+    /// A thread's queue and the record it keeps; the thread's side is `Log`.
+    fn new(epoch: Instant) -> (Self, Receiver<C>, Log) {
+        let (tx, rx) = channel();
+        let done = Arc::new(Mutex::new(Done::default()));
+        (Thread { tx, done: done.clone(), issued: Arc::new(AtomicUsize::new(0)) }, rx, Log { epoch, done })
+    }
+
+    fn send(&self, command: C) -> Result<(), TransportError> {
+        self.issued.fetch_add(1, Ordering::SeqCst);
+        self.tx.send(command).map_err(|_| gone())
+    }
+
+    /// The thread's record since the last fence and its first failure, once it has done
+    /// everything sent it: read in place where it already has (no wake-up), else asked
+    /// for behind its queue with `fence`.
+    fn fence(
+        &self,
+        fence: impl FnOnce(Sender<(CommTrace, Option<TransportError>)>) -> C,
+    ) -> Result<(CommTrace, Option<TransportError>), TransportError> {
+        {
+            let mut done = self.done.lock().unwrap_or_else(PoisonError::into_inner);
+            if done.commands == self.issued.load(Ordering::SeqCst) {
+                return Ok((std::mem::take(&mut done.trace), done.failed.clone()));
+            }
+        }
+        let (reply, rx) = channel();
+        self.send(fence(reply))?;
+        rx.recv().map_err(|_| gone())
+    }
+}
 
 /// One collective issued inside a pass: what it does, over which of the pass's groups,
 /// and that group's members.
@@ -117,7 +177,7 @@ impl Exchanger {
     /// computes, and the ticket gives its result.
     pub fn start(&self, members: &[DeviceId], chunks: Vec<Vec<f32>>) -> Result<Ticket<Vec<Vec<f32>>>, TransportError> {
         let (reply, rx) = channel();
-        self.0.send(Coll::Exchange { members: members.to_vec(), chunks, reply }).map_err(|_| gone())?;
+        self.0.send(Coll::Exchange { members: members.to_vec(), chunks, reply })?;
         Ok(Ticket(rx))
     }
 
@@ -132,7 +192,7 @@ impl Exchanger {
         let (reply, rx) = channel();
         let kind = CollectiveKind::AllGather;
         let run = Coll::Run(Reduction { kind, members: members.to_vec(), data, mode, sum: None, code: None }, reply);
-        self.0.send(run).map_err(|_| gone())?;
+        self.0.send(run)?;
         Ok(Ticket(rx))
     }
 }
@@ -158,8 +218,8 @@ impl<T> Ticket<T> {
 /// The worker's handle on its communication threads (and its sends, which it makes itself:
 /// they only queue the message).
 pub struct Comm {
-    p2p: Sender<P2p>,
-    coll: Sender<Coll>,
+    p2p: Thread<P2p>,
+    coll: Thread<Coll>,
     ledger: Ledger,
     sender: Box<dyn SendHalf>,
     /// The worker's own receiver, where the transport gives one.
@@ -172,7 +232,7 @@ pub struct Comm {
 impl Drop for Comm {
     fn drop(&mut self) {
         // after whatever is queued: a finished worker's last collectives still run
-        let _ = self.coll.send(Coll::Stop);
+        let _ = self.coll.tx.send(Coll::Stop);
     }
 }
 
@@ -191,10 +251,10 @@ impl Comm {
         let sender = ep.send_half();
         let receiver = ep.recv_half();
         let (p2p_ep, coll_ep) = ep.split();
-        let (p2p, p2p_rx) = channel();
-        let (coll, coll_rx) = channel();
-        scope.spawn(move || p2p_loop(p2p_ep, p2p_rx, epoch));
-        scope.spawn(move || coll_loop(coll_ep, coll_rx, epoch));
+        let (p2p, p2p_rx, p2p_log) = Thread::new(epoch);
+        let (coll, coll_rx, coll_log) = Thread::new(epoch);
+        scope.spawn(move || p2p_loop(p2p_ep, p2p_rx, p2p_log));
+        scope.spawn(move || coll_loop(coll_ep, coll_rx, coll_log));
         Comm { p2p, coll, ledger: Ledger::default(), sender, receiver, epoch, sent: CommTrace::new() }
     }
 
@@ -227,7 +287,7 @@ impl Comm {
     /// Posts the receive of the next message from `from`, which must carry `tag`.
     pub fn post_recv(&self, from: DeviceId, tag: Tag, code: usize) -> Result<Ticket<Message>, TransportError> {
         let (reply, rx) = channel();
-        self.p2p.send(P2p::Recv { from, tag, code, reply }).map_err(|_| gone())?;
+        self.p2p.send(P2p::Recv { from, tag, code, reply })?;
         Ok(Ticket(rx))
     }
 
@@ -249,7 +309,7 @@ impl Comm {
     /// `grad_precision`).
     pub fn start_reduction(&self, r: Reduction) -> Result<Ticket<Vec<f32>>, TransportError> {
         let (reply, rx) = channel();
-        self.coll.send(Coll::Run(r, reply)).map_err(|_| gone())?;
+        self.coll.send(Coll::Run(r, reply))?;
         Ok(Ticket(rx))
     }
 
@@ -291,12 +351,8 @@ impl Comm {
     /// Waits until everything issued so far is done; returns what both threads ran since
     /// the last fence, or the first transfer that failed.
     pub fn fence(&mut self) -> Result<CommTrace, TransportError> {
-        let (a, ra) = channel();
-        let (b, rb) = channel();
-        self.p2p.send(P2p::Fence(a)).map_err(|_| gone())?;
-        self.coll.send(Coll::Fence(b)).map_err(|_| gone())?;
-        let (mut trace, e1) = ra.recv().map_err(|_| gone())?;
-        let (more, e2) = rb.recv().map_err(|_| gone())?;
+        let (mut trace, e1) = self.p2p.fence(P2p::Fence)?;
+        let (more, e2) = self.coll.fence(Coll::Fence)?;
         if let Some(e) = e1.or(e2) {
             return Err(e);
         }
@@ -310,47 +366,53 @@ fn since(epoch: Instant) -> f64 {
     epoch.elapsed().as_secs_f64()
 }
 
-/// What one communication thread has done since its last fence, and the first transfer
-/// that failed (every later command fails with it).
+/// A communication thread's side of its record ([`Done`]), shared with the worker: a
+/// command is counted done once its transfer has run and been recorded, before its result
+/// is sent back, so the worker never reads a record short of a result it holds. The first
+/// transfer that failed fails every later command.
 struct Log {
     epoch: Instant,
-    trace: CommTrace,
-    failed: Option<TransportError>,
+    done: Arc<Mutex<Done>>,
 }
 
 impl Log {
-    fn new(epoch: Instant) -> Self {
-        Log { epoch, trace: CommTrace::new(), failed: None }
+    fn record(&self) -> std::sync::MutexGuard<'_, Done> {
+        self.done.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Runs a transfer unless an earlier one failed, tracing it under `code` (if any).
     fn run<T>(
-        &mut self,
+        &self,
         code: Option<usize>,
         transfer: impl FnOnce() -> Result<T, TransportError>,
     ) -> Result<T, TransportError> {
-        if let Some(e) = &self.failed {
-            return Err(e.clone());
+        let earlier = self.record().failed.clone();
+        let (got, span) = match earlier {
+            Some(e) => (Err(e), None),
+            None => {
+                let t0 = since(self.epoch);
+                let got = transfer();
+                (got, code.map(|code| (code, t0, since(self.epoch))))
+            }
+        };
+        let mut done = self.record();
+        done.trace.extend(span);
+        if let (Err(e), None) = (&got, &done.failed) {
+            done.failed = Some(e.clone());
         }
-        let t0 = since(self.epoch);
-        let got = transfer();
-        if let Some(code) = code {
-            self.trace.push((code, t0, since(self.epoch)));
-        }
-        if let Err(e) = &got {
-            self.failed = Some(e.clone());
-        }
+        done.commands += 1;
         got
     }
 
     /// The fence's answer: the trace since the last one, and the first failure.
-    fn fence(&mut self) -> (CommTrace, Option<TransportError>) {
-        (std::mem::take(&mut self.trace), self.failed.clone())
+    fn fence(&self) -> (CommTrace, Option<TransportError>) {
+        let mut done = self.record();
+        done.commands += 1;
+        (std::mem::take(&mut done.trace), done.failed.clone())
     }
 }
 
-fn p2p_loop<E: Endpoint>(mut ep: E, rx: Receiver<P2p>, epoch: Instant) {
-    let mut log = Log::new(epoch);
+fn p2p_loop<E: Endpoint>(mut ep: E, rx: Receiver<P2p>, log: Log) {
     for cmd in rx {
         match cmd {
             P2p::Recv { from, tag, code, reply } => {
@@ -363,8 +425,7 @@ fn p2p_loop<E: Endpoint>(mut ep: E, rx: Receiver<P2p>, epoch: Instant) {
     }
 }
 
-fn coll_loop<E: Endpoint>(mut ep: E, rx: Receiver<Coll>, epoch: Instant) {
-    let mut log = Log::new(epoch);
+fn coll_loop<E: Endpoint>(mut ep: E, rx: Receiver<Coll>, log: Log) {
     for cmd in rx {
         match cmd {
             Coll::Run(Reduction { kind, members, data, mode, sum, code }, reply) => {
@@ -452,6 +513,45 @@ mod tests {
             assert_eq!(other, vec![11.0, 22.0]);
             let trace = c0.fence().expect("fence");
             assert!(trace.iter().any(|t| t.0 == 7) && trace.iter().any(|t| t.0 == 2), "{trace:?}");
+        });
+    }
+
+    /// The fence reads a collective thread's record in place once every command sent it is
+    /// done (nothing more is sent it), and waits behind its queue for one still running,
+    /// whose span it then holds.
+    #[test]
+    fn the_fence_wakes_no_thread_that_has_finished_and_waits_for_one_that_has_not() {
+        let devices = [DeviceId(0), DeviceId(1)];
+        let mut eps = connect(&devices, Arc::new(AtomicBool::new(false)), Duration::from_secs(10)).into_iter();
+        let (e0, e1) = (eps.next().expect("d0"), eps.next().expect("d1"));
+        let sum = |c: &Comm, code| {
+            c.start_collective(CollectiveKind::AllReduce, devices.to_vec(), vec![1.0], ReduceMode::Ring, Some(code))
+        };
+        std::thread::scope(|s| {
+            let mut c0 = Comm::start(s, e0, Instant::now());
+            let mut c1 = Comm::start(s, e1, Instant::now());
+            // both done and waited for: read in place
+            let (a, b) = (sum(&c0, 4).expect("start"), sum(&c1, 4).expect("start"));
+            assert_eq!((a.wait().expect("sum"), b.wait().expect("sum")), (vec![2.0], vec![2.0]));
+            let sent = c0.coll.issued.load(Ordering::SeqCst);
+            let trace = c0.fence().expect("fence");
+            assert_eq!(trace.iter().map(|t| t.0).collect::<Vec<_>>(), vec![4]);
+            assert_eq!(c0.coll.issued.load(Ordering::SeqCst), sent, "nothing sent to a finished thread");
+            assert_eq!(c1.fence().expect("fence").len(), 1);
+            // d0's collective waits for d1, which joins only after d0's fence began: the
+            // fence goes behind the queue and returns with the collective's span
+            let pending = sum(&c0, 9).expect("start");
+            let joiner = s.spawn(move || {
+                std::thread::sleep(Duration::from_millis(50));
+                let got = sum(&c1, 9).expect("start").wait();
+                (got, c1)
+            });
+            let trace = c0.fence().expect("fence");
+            assert_eq!(trace.iter().map(|t| t.0).collect::<Vec<_>>(), vec![9], "{trace:?}");
+            assert!(trace[0].2 - trace[0].1 > 0.03, "the span covers the wait for d1: {trace:?}");
+            assert_eq!(pending.wait().expect("sum"), vec![2.0]);
+            let (got, _c1) = joiner.join().expect("joiner");
+            assert_eq!(got.expect("sum"), vec![2.0]);
         });
     }
 

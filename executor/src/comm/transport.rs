@@ -535,12 +535,14 @@ pub mod in_process {
         timeout: Duration,
     }
 
-    /// How long a computing thread polls for a message before it sleeps on the channel.
-    /// A sleeping receiver must be woken by the sender, and Linux then runs it on the
-    /// sender's core (wake-affine), preempting the sender while another core may be idle:
-    /// on this 2-core machine a worker sending a gradient to the worker waiting for it lost
-    /// its core for 55–64 µs at a time (`specs/mlp-1f1b.yaml`'s trace). A receiver still
-    /// polling takes the message on its own core; MPI's shared-memory receives poll too.
+    /// How long a computing thread, or a collective thread, polls for a message before it
+    /// sleeps on the channel. A sleeping receiver must be woken by the sender, and Linux
+    /// then runs it on the sender's core (wake-affine), preempting the sender while another
+    /// core may be idle: on this 2-core machine a worker sending a gradient to the worker
+    /// waiting for it lost its core for 55–64 µs at a time (`specs/mlp-1f1b.yaml`'s trace),
+    /// and a collective thread woken by its peer's waited 370–400 µs
+    /// (`specs/csv-classifier.yaml`, docs/benchmarks.md 2026-12-08). A receiver still polling
+    /// takes the message on its own core; MPI's shared-memory receives poll too.
     const POLL: Duration = Duration::from_micros(200);
 
     impl RecvHalf for InProcessReceiver {
@@ -592,7 +594,7 @@ pub mod in_process {
         }
         fn coll_recv(&mut self, from: DeviceId) -> Result<Vec<f32>, TransportError> {
             let rx = self.from_coll.get(&from).ok_or(TransportError::Disconnected(from))?;
-            match wait(rx, from, &self.abort, self.timeout, Duration::ZERO)? {
+            match wait(rx, from, &self.abort, self.timeout, POLL)? {
                 Wire::Coll(d) => Ok(d),
                 Wire::P2p(_) => Err(TransportError::Other("a point-to-point message on a collective channel".into())),
             }

@@ -501,7 +501,15 @@ pub fn calibrate_cpu_concurrent(memory: f64, reps: usize, threads: usize) -> Res
             guarded().into_iter().collect()
         } else {
             std::thread::scope(|s| {
-                let handles: Vec<_> = (0..threads).map(|_| s.spawn(guarded)).collect();
+                // each copy on a core of its own, as the run's workers are (`affinity`)
+                let handles: Vec<_> = (0..threads)
+                    .map(|i| {
+                        s.spawn(move || {
+                            super::affinity::pin(i, threads);
+                            guarded()
+                        })
+                    })
+                    .collect();
                 handles.into_iter().filter_map(|h| h.join().ok().flatten()).collect()
             })
         };
@@ -638,8 +646,9 @@ pub fn cpu_name() -> String {
 /// gradients; 8: the kernels it times changed speed, their exponentials and GELU vectorized,
 /// `crate::backend::flex_exp`, both GELUs timed as the executor runs them, `Kernels::gelu_of`;
 /// 9: the layers' backwards timed split, their input and weight gradients fitted apart,
-/// [`gradient_fits`]).
-const MEASURES: u32 = 9;
+/// [`gradient_fits`]; 10: each copy, and each end of the link, on a core of its own, as the
+/// run's workers are, `super::affinity`).
+const MEASURES: u32 = 10;
 
 /// The file under `dir` that keeps the calibration of `workers` workers on the CPU `cpu`
 /// (`pipec run`'s cache of this machine): named by FNV-1a of the CPU's name, the worker count,

@@ -2,6 +2,7 @@
 //! fabric, MPI start-up, data sets, calibration and profiling, the ranks' agreement, GPU
 //! placement.
 
+pub(crate) mod affinity;
 pub mod agreement;
 pub mod calibrate;
 pub mod gpus;

@@ -313,8 +313,11 @@ pub fn profile_cpu_concurrent(plan: &Plan, threads: usize, warmup: usize, reps: 
     let barrier = std::sync::Barrier::new(threads);
     let results: Vec<Result<Profile, ExecError>> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..threads)
-            .map(|_| {
-                s.spawn(|| {
+            .map(|i| {
+                let barrier = &barrier;
+                s.spawn(move || {
+                    // each on a core of its own, as the run's workers are (`super::affinity`)
+                    super::affinity::pin(i, threads);
                     barrier.wait();
                     profile_layers::<B>(plan, &Default::default(), warmup, reps)
                 })

@@ -194,10 +194,17 @@ pub fn run_workers<B: ExecBackend, E: Endpoint + 'static>(
     };
     let (tx, rx) = channel::<Event>();
     std::thread::scope(|scope| {
-        for ep in endpoints {
+        let workers = endpoints.len();
+        for (index, ep) in endpoints.into_iter().enumerate() {
             let (tx, shared) = (tx.clone(), &shared);
             let dev = placement.get(&ep.device()).map(|p| p.0.clone());
-            scope.spawn(move || work::<B, E>(shared, ep, dev, &tx));
+            scope.spawn(move || {
+                // in-process workers each on a core of their own (`affinity`)
+                if workers > 1 {
+                    super::affinity::pin(index, workers);
+                }
+                work::<B, E>(shared, ep, dev, &tx)
+            });
         }
         drop(tx);
         for ev in rx {

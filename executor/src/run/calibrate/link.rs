@@ -38,7 +38,10 @@ pub fn calibrate_links(devices: usize, reps: usize) -> LinkCalibration {
         .map(|&n| {
             let mut eps = connect();
             let (mut a, mut b) = (eps.next().expect("two endpoints"), eps.next().expect("two endpoints"));
+            // the two ends each on a core of their own, as the run's workers are
+            // (`run::affinity`)
             let echo = std::thread::spawn(move || {
+                crate::run::affinity::pin(1, 2);
                 for _ in 0..reps + 1 {
                     let Ok(v) = b.coll_recv(DeviceId(0)) else { return };
                     if b.coll_send(DeviceId(0), v).is_err() {
@@ -48,12 +51,16 @@ pub fn calibrate_links(devices: usize, reps: usize) -> LinkCalibration {
             });
             // the messages made before the timing: a send moves what the worker computed
             let mut pool: Vec<Vec<f32>> = (0..reps + 1).map(|_| vec![1.0f32; n]).collect();
-            let seconds = median_seconds(1, reps, || {
-                let payload = pool.pop().unwrap_or_default();
-                if a.coll_send(DeviceId(1), payload).is_ok() {
-                    let _ = a.coll_recv(DeviceId(1));
-                }
-            }) / 2.0;
+            let timing = std::thread::spawn(move || {
+                crate::run::affinity::pin(0, 2);
+                median_seconds(1, reps, || {
+                    let payload = pool.pop().unwrap_or_default();
+                    if a.coll_send(DeviceId(1), payload).is_ok() {
+                        let _ = a.coll_recv(DeviceId(1));
+                    }
+                }) / 2.0
+            });
+            let seconds = timing.join().unwrap_or(f64::NAN);
             let _ = echo.join();
             Point { size: (n * 4) as f64, seconds }
         })
@@ -64,9 +71,11 @@ pub fn calibrate_links(devices: usize, reps: usize) -> LinkCalibration {
             let barrier = std::sync::Barrier::new(devices);
             let times: Vec<f64> = std::thread::scope(|s| {
                 let handles: Vec<_> = connect()
-                    .map(|mut ep| {
+                    .enumerate()
+                    .map(|(i, mut ep)| {
                         let (ids, barrier) = (&ids, &barrier);
                         s.spawn(move || {
+                            crate::run::affinity::pin(i, devices);
                             // every member starts each one together, on a gradient as the
                             // executor holds it: read back from the backend, summed, made a
                             // tensor again
