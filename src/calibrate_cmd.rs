@@ -184,6 +184,9 @@ pub fn run(out: PathBuf, backend: Backend, memory: &str, reps: usize, concurrent
             backward * 1e6
         );
     }
+    if let Some(s) = d.step_pass {
+        eprintln!("the executor's own work between a worker's steps: {:.1} µs (every step planned on this file is that much longer)", s * 1e6);
+    }
     let text = serde_json::to_string_pretty(d).unwrap_or_default() + "\n";
     if let Err(e) = write_atomic(&out, text.as_bytes()) {
         eprintln!("error: {e}");

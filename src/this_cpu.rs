@@ -53,9 +53,10 @@ impl ThisCpu {
             None => format!("measured before, from {}", self.cache.display()),
         };
         format!(
-            "note: the spec's CPU device is written inline, so this run is planned and predicted for this machine's CPU ({:.2} GFLOP/s fp32 products, {:.1} µs of the executor's work a layer pass, {how}); {SWITCH}=off keeps the spec's figures",
+            "note: the spec's CPU device is written inline, so this run is planned and predicted for this machine's CPU ({:.2} GFLOP/s fp32 products, {:.1} µs of the executor's work a layer pass and {:.1} µs a step, {how}); {SWITCH}=off keeps the spec's figures",
             self.device.matrix.fp32 / 1e9,
-            self.overhead() * 1e6
+            self.overhead() * 1e6,
+            self.device.step_overhead() * 1e6
         )
     }
 }
@@ -112,10 +113,13 @@ pub fn this_cpu_with(
     Ok(ThisCpu { device, cache, measured_s: Some(measured_s) })
 }
 
-/// A cache file's measurement: a device file with the executor's work per layer pass.
+/// A cache file's measurement: a device file with the executor's work per layer pass and
+/// per step.
 fn read_cached(cache: &Path) -> Option<DeviceModel> {
     let text = std::fs::read_to_string(cache).ok()?;
-    DeviceModel::from_json(&text).ok().filter(|d| d.layer_pass.is_some() && d.layer_pass_backward.is_some())
+    DeviceModel::from_json(&text)
+        .ok()
+        .filter(|d| d.layer_pass.is_some() && d.layer_pass_backward.is_some() && d.step_pass.is_some())
 }
 
 /// Whether this machine's CPU for `workers` workers is in the cache already: [`this_cpu`]
@@ -137,6 +141,7 @@ pub fn this_cpu(workers: usize, memory: f64) -> Result<ThisCpu, String> {
         // the kernels are measured either way: a failed fit plans with no overhead, as said
         device.layer_pass = device.layer_pass.or(Some(0.0));
         device.layer_pass_backward = device.layer_pass_backward.or(Some(0.0));
+        device.step_pass = device.step_pass.or(Some(0.0));
         Ok(device)
     })?;
     found.device.memory = memory;
@@ -151,27 +156,42 @@ pub fn measure_cpu(memory: f64, reps: usize, workers: usize) -> Result<(Calibrat
     let mut measured = pipec_executor::calibrate::calibrate_cpu_concurrent(memory, reps, workers)?;
     let links = (workers > 1).then(|| pipec_executor::calibrate::calibrate_links(workers, reps));
     measured.device.link = links.as_ref().map(|c| c.link);
-    (measured.device.layer_pass, measured.device.layer_pass_backward) = match layer_overhead(&measured.device, workers)
-    {
-        Ok((forward, backward)) => (Some(forward), Some(backward)),
+    let d = &mut measured.device;
+    (d.layer_pass, d.layer_pass_backward, d.step_pass) = match layer_overhead(d, workers) {
+        Ok(o) => (Some(o.forward), Some(o.backward), Some(o.step)),
         Err(e) => {
             eprintln!("warning: the executor's work per layer pass could not be measured ({e})");
-            (None, None)
+            (None, None, None)
         }
     };
     Ok((measured, links))
 }
 
+/// The executor's own work that its kernels do not show, as [`layer_overhead`] measures it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Overheads {
+    /// Seconds per layer forward (the spec's `overhead`).
+    pub forward: f64,
+    /// Seconds per layer backward.
+    pub backward: f64,
+    /// Seconds a worker spends between one step's last instruction and the next step's
+    /// first (the device's `step_pass`).
+    pub step: f64,
+}
+
 /// The executor's work per layer pass beyond its kernels on `device` (the spec's
-/// `overhead`: per layer forward, twice per backward). An embedded pipeline — one stage per
+/// `overhead`: per layer forward, twice per backward), and per step. An embedded pipeline — one stage per
 /// worker, 1F1B, widths and depth unlike README's example, which it is checked against —
 /// is planned for `device` with no overhead and trained for [`STEPS`] steps on `workers`
 /// threads; its forward and backward passes after the first two steps took the measured
 /// time, their plan predicts the kernels': the median over the forwards of each one's
 /// excess per layer is the forward's overhead, the backwards' the backward's (never below
 /// zero). Measured apart since 2026-12-07: README's example's backwards had run at 0.7 of
-/// their prediction with twice the forward's, its forwards at 1.15.
-pub fn layer_overhead(device: &DeviceModel, workers: usize) -> Result<(f64, f64), String> {
+/// their prediction with twice the forward's, its forwards at 1.15. The work per step is
+/// the median, over the workers and the steps after the first two, of the time between a
+/// worker's last instruction of a step and its first of the next (since 2026-12-08: 21–34
+/// µs a step on a 2-core Xeon; none of it is any instruction's).
+pub fn layer_overhead(device: &DeviceModel, workers: usize) -> Result<Overheads, String> {
     use pipec_plan::Instr;
     let workers = workers.max(1);
     let stages = vec!["1"; workers].join("-");
@@ -204,11 +224,22 @@ pub fn layer_overhead(device: &DeviceModel, workers: usize) -> Result<(f64, f64)
         let (Some(predicted), Some(st)) = (predicted, plan.stage(ins.stage())) else { continue };
         excess.push(((end - start) - predicted) / (st.layers[1] - st.layers[0]).max(1) as f64);
     }
+    // each worker's time from its last instruction of a step to its first of the next
+    let mut spans: std::collections::BTreeMap<(pipec_plan::DeviceId, usize), (f64, f64)> = Default::default();
+    for &(dev, step, _, start, end) in &report.timeline {
+        let span = spans.entry((dev, step)).or_insert((start, end));
+        *span = (span.0.min(start), span.1.max(end));
+    }
+    let steps: Vec<f64> = spans
+        .iter()
+        .filter(|((_, step), _)| *step >= 2)
+        .filter_map(|(&(dev, step), &(_, end))| spans.get(&(dev, step + 1)).map(|next| next.0 - end))
+        .collect();
     let median = |mut v: Vec<f64>| -> Result<f64, String> {
         v.sort_by(f64::total_cmp);
         v.get(v.len() / 2).map(|m| m.max(0.0)).ok_or_else(|| "the overhead run timed no passes".to_string())
     };
-    Ok((median(forwards)?, median(backwards)?))
+    Ok(Overheads { forward: median(forwards)?, backward: median(backwards)?, step: median(steps)? })
 }
 
 /// Steps of [`layer_overhead`]'s run (the first two are not timed).
@@ -223,6 +254,7 @@ mod tests {
         d.memory_bandwidth = 1e10;
         d.layer_pass = Some(layer_pass);
         d.layer_pass_backward = Some(layer_pass / 2.0);
+        d.step_pass = Some(1e-5);
         d
     }
 
@@ -283,11 +315,17 @@ mod tests {
         // kernels predicted at a petaFLOP/s with no launch: nearly all the measured time is
         // the executor's own, some microseconds a layer pass even in a debug build
         let fast = DeviceModel { memory_bandwidth: 1e15, ..DeviceModel::uniform("cpu", 1e9, 1e15) };
-        let (forward, backward) = layer_overhead(&fast, 2).expect("measured");
+        let Overheads { forward, backward, step } = layer_overhead(&fast, 2).expect("measured");
         assert!(forward > 1e-6 && forward < 1e-2, "{forward}");
         assert!(backward > 1e-6 && backward < 1e-2, "{backward}");
+        // between the steps the workers do work of their own: more than nothing, far less
+        // than a step of this pipeline
+        assert!(step > 1e-7 && step < 1e-2, "{step}");
         // kernels predicted at a kiloFLOP/s: slower than anything measured, so no overhead
+        // per pass (the work between steps is no kernel's: measured all the same)
         let slow = DeviceModel { memory_bandwidth: 1e3, ..DeviceModel::uniform("cpu", 1e9, 1e3) };
-        assert_eq!(layer_overhead(&slow, 1).expect("measured"), (0.0, 0.0));
+        let o = layer_overhead(&slow, 1).expect("measured");
+        assert_eq!((o.forward, o.backward), (0.0, 0.0));
+        assert!(o.step > 0.0 && o.step < 1e-2, "{o:?}");
     }
 }

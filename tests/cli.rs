@@ -2810,15 +2810,17 @@ fn a_cpu_run_of_a_spec_with_an_inline_cpu_is_planned_for_this_machines_cached_ca
     device.name = "cpu (pipec calibrate, cached)".into();
     device.link = Some(pipec_plan::device::MeasuredLink { bandwidth: 2e9, latency: 40e-6, efficiency: 0.5 });
     let file = pipec_executor::calibrate::cache_file(&cache, &pipec_executor::calibrate::cpu_name(), 2);
-    // with the executor's work per layer pass measured as 30 µs
-    let cached = |overhead: f64| {
+    // with the executor's work per layer pass measured as 30 µs, and per step as 20 µs
+    let cached_with = |overhead: f64, step: f64| {
         let d = pipec_plan::device::DeviceModel {
             layer_pass: Some(overhead),
             layer_pass_backward: Some(2.0 * overhead),
+            step_pass: Some(step),
             ..device.clone()
         };
         serde_json::to_string(&d).expect("json")
     };
+    let cached = |overhead: f64| cached_with(overhead, 20e-6);
     std::fs::write(&file, cached(30e-6)).expect("cache");
     let run = |spec: &str, switch: Option<&str>, out: &str| -> (String, serde_json::Value) {
         let mut c = Command::new(env!("CARGO_BIN_EXE_pipec"));
@@ -2838,7 +2840,7 @@ fn a_cpu_run_of_a_spec_with_an_inline_cpu_is_planned_for_this_machines_cached_ca
     };
     let (said, this) = run("specs/mlp-1f1b.yaml", None, "this");
     assert!(said.contains("planned and predicted for this machine's CPU"), "{said}");
-    assert!(said.contains("30.0 µs of the executor's work a layer pass"), "{said}");
+    assert!(said.contains("30.0 µs of the executor's work a layer pass and 20.0 µs a step"), "{said}");
     // the overhead is the spec's `overhead`: a layer's forward, twice its backward (the
     // first stage holds four layers)
     std::fs::write(&file, cached(0.0)).expect("cache");
@@ -2848,6 +2850,18 @@ fn a_cpu_run_of_a_spec_with_an_inline_cpu_is_planned_for_this_machines_cached_ca
     assert_eq!(this["stages"][0]["layers"], serde_json::json!([0, 4]));
     assert!((stage(&this, "forward_s") - stage(&bare, "forward_s") - 4.0 * 30e-6).abs() < 1e-12);
     assert!((stage(&this, "backward_s") - stage(&bare, "backward_s") - 8.0 * 30e-6).abs() < 1e-12);
+    // the work per step lengthens every step by itself, and nothing else
+    std::fs::write(&file, cached_with(30e-6, 1e-3)).expect("cache");
+    let (_, stepped) = run("specs/mlp-1f1b.yaml", None, "stepped");
+    std::fs::write(&file, cached(30e-6)).expect("cache");
+    let step_of = |p: &serde_json::Value| p["simulation"]["step_time_s"].as_f64().expect("step");
+    assert!(
+        (step_of(&stepped) - step_of(&this) - (1e-3 - 20e-6)).abs() < 1e-12,
+        "{} {}",
+        step_of(&stepped),
+        step_of(&this)
+    );
+    assert_eq!(stepped["stages"], this["stages"]);
     assert!(said.contains(&format!("measured before, from {}", file.display())), "{said}");
     // nothing is measured when the cache holds this machine
     assert!(!said.contains("measuring this machine's CPU"), "{said}");

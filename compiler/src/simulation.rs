@@ -77,6 +77,8 @@ pub(crate) fn simulate_plan(
         .with_stage_gathers(&lowered.streams, stages, &lowered.recompute)
         .with_update_sums(&lowered.streams, stages, crate::in_pass::clip_each_update(spec, lowered))
         .with_ep_counts(&lowered.streams, stages);
+    // the executor's own work a step beside the instructions (the device's `step_pass`)
+    let between = spec.cluster.device.step_overhead();
     if let Some(p) = &lowered.periodic {
         let steady = crate::periodic::steady_state(p, &lowered.members(), &sim_cost).map_err(|e| {
             vec![Diagnostic::error(
@@ -121,8 +123,8 @@ pub(crate) fn simulate_plan(
         return Ok(Simulated {
             by_phase,
             timeline,
-            step_time: steady.step_time,
-            first_step: Some(steady.first_step_time),
+            step_time: steady.step_time + between,
+            first_step: Some(steady.first_step_time + between),
             per_device,
             bubble: steady.bubble,
             collectives: steady.collectives,
@@ -140,7 +142,7 @@ pub(crate) fn simulate_plan(
     let collectives = crate::simulate::collective_times(&timeline);
     let by_phase = time_by_phase(&timeline, 1.0);
     Ok(Simulated {
-        step_time: timeline.step_time,
+        step_time: timeline.step_time + between,
         first_step: None,
         timeline,
         per_device,

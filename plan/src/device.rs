@@ -279,6 +279,14 @@ pub struct DeviceModel {
     /// forward's; None: twice [`layer_pass`](Self::layer_pass).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub layer_pass_backward: Option<f64>,
+    /// Seconds of pipec's executor's own work a step beside its instructions, on each
+    /// worker (the step's report and fence, the next step's start), as `pipec calibrate`
+    /// measured it between the steps of its embedded run (`this_cpu::layer_overhead`):
+    /// 21–34 µs a step on a 2-core Xeon, 5–8% of `specs/csv-classifier.yaml`'s step
+    /// (docs/benchmarks.md, 2026-12-08). Every step of a plan on this device is that much
+    /// longer; None (the presets): nothing is added.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step_pass: Option<f64>,
     /// The executor's weight gradients (a linear layer's, its bias's with it) as products
     /// of their own, where `pipec calibrate` timed them apart from the forwards (the CPU):
     /// the `gemm` kernel reads a weight gradient's left operand, the layer's input,
@@ -519,6 +527,12 @@ impl DeviceModel {
         (forward, self.layer_pass_backward.unwrap_or(2.0 * forward))
     }
 
+    /// Seconds of the executor's own work a step beside its instructions
+    /// ([`step_pass`](Self::step_pass); 0 where it was not measured).
+    pub fn step_overhead(&self) -> f64 {
+        self.step_pass.unwrap_or(0.0)
+    }
+
     /// Seconds of a weight gradient's product of `flops` moving `bytes` in `precision`: where
     /// the device measured the executor's ([`weight_gradient`](Self::weight_gradient)), as
     /// that fit prices it (at the precision's rate against fp32's); elsewhere
@@ -571,6 +585,7 @@ impl DeviceModel {
             power: _,
             layer_pass,
             layer_pass_backward,
+            step_pass,
             weight_gradient,
             input_gradient,
             data,
@@ -598,7 +613,7 @@ impl DeviceModel {
         if let Some(DrawRates { feature, token, score }) = data {
             seconds.extend([feature, token, score]);
         }
-        seconds.extend(layer_pass.iter_mut().chain(layer_pass_backward.iter_mut()));
+        seconds.extend(layer_pass.iter_mut().chain(layer_pass_backward.iter_mut()).chain(step_pass.iter_mut()));
         for s in seconds {
             *s /= speed;
         }
@@ -625,6 +640,7 @@ impl DeviceModel {
             power: None,
             layer_pass: None,
             layer_pass_backward: None,
+            step_pass: None,
             weight_gradient: None,
             input_gradient: None,
             data: None,
@@ -683,11 +699,11 @@ impl DeviceModel {
                 ));
             }
         }
-        for (what, s) in [("backward", d.layer_pass_backward), ("pass", d.layer_pass)] {
+        for (what, s) in
+            [("layer backward", d.layer_pass_backward), ("layer pass", d.layer_pass), ("step", d.step_pass)]
+        {
             if s.is_some_and(|s| !(s.is_finite() && s >= 0.0)) {
-                return Err(format!(
-                    "the executor's work per layer {what} must be finite and not negative, found {s:?}"
-                ));
+                return Err(format!("the executor's work per {what} must be finite and not negative, found {s:?}"));
             }
         }
         if let Some(o) = d.optimizer {
@@ -1219,6 +1235,7 @@ mod tests {
         d.attention = Some(AttentionRates { forward: fit, backward: fit });
         d.layer_pass = Some(1e-5);
         d.layer_pass_backward = Some(6e-6);
+        d.step_pass = Some(3e-5);
         d.data = Some(DrawRates { feature: 2.6e-8, token: 3e-9, score: 2.5e-10 });
         d.link = Some(MeasuredLink { bandwidth: 3e14, latency: 3e-5, efficiency: 1.0 });
         let gradients = ProductFit { rate: 1e11, half: 1e6, traffic: Traffic::new(1e10, 1e6) };
@@ -1230,7 +1247,7 @@ mod tests {
         assert!(close(fast.product_traffic.expect("kept").bandwidth, 1e10));
         assert!(close(fast.memory_traffic.expect("kept").bandwidth, 4e10));
         assert!(close(fast.launch, 3e-7) && close(fast.layer_pass.expect("kept"), 5e-6));
-        assert!(close(fast.layer_pass_backward.expect("kept"), 3e-6));
+        assert!(close(fast.layer_pass_backward.expect("kept"), 3e-6) && close(fast.step_overhead(), 1.5e-5));
         assert!(close(fast.optimizer.expect("kept").adam.per_parameter, 4e-9));
         assert!(close(fast.attention.expect("kept").backward.per_mac, 5e-12));
         assert!(close(fast.data.expect("kept").feature, 1.3e-8));
@@ -1308,6 +1325,14 @@ mod tests {
         assert_eq!(DeviceModel::from_json(&text).expect("reads").layer_pass, None);
         let text = serde_json::to_string(&DeviceModel { layer_pass: Some(-1e-6), ..d.clone() }).expect("json");
         assert!(DeviceModel::from_json(&text).is_err_and(|e| e.contains("layer pass")), "{text}");
+        // the work per step alike: read back, absent from a file without it, never negative
+        let stepped = DeviceModel { step_pass: Some(2.5e-5), ..d.clone() };
+        let back = DeviceModel::from_json(&serde_json::to_string(&stepped).expect("json")).expect("reads");
+        assert_eq!((back.step_pass, back.step_overhead()), (Some(2.5e-5), 2.5e-5));
+        assert!(!serde_json::to_string(&d).expect("json").contains("step_pass"));
+        assert_eq!(d.step_overhead(), 0.0);
+        let text = serde_json::to_string(&DeviceModel { step_pass: Some(-1e-6), ..d.clone() }).expect("json");
+        assert!(DeviceModel::from_json(&text).is_err_and(|e| e.contains("per step")), "{text}");
         // JSON has no infinity: out of range, not a device file
         let text = serde_json::to_string(&d).expect("json").replace("4e-6", "1e999");
         assert!(text.contains("1e999") && DeviceModel::from_json(&text).is_err(), "{text}");
