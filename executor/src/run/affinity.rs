@@ -8,15 +8,27 @@
 //! 0.6–1.2 ms steps where 0.45 ms of work each). A device is one core (the kernels run
 //! single-threaded, `backend::flex_gemm`): pinned, its compute thread and the
 //! communication threads it starts (which inherit its core) share that core only.
-//! One process per device (MPI, TCP) is left as the launcher bound it.
+//! One process per device (MPI, TCP) is left as the launcher bound it, and nothing is
+//! pinned where `PIPEC_AFFINITY=off` (several runs sharing a machine's cores, say).
 
 #![allow(unsafe_code)]
 
+/// The environment variable that turns the pinning off (`off`).
+pub const SWITCH: &str = "PIPEC_AFFINITY";
+
 /// Pins the calling thread (and the threads it starts after) to the `index`th core this
 /// process may run on, where `workers` threads fit one a core; the core, or None (too few
-/// cores, or not Linux: nothing is changed).
+/// cores, [`SWITCH`] off, or not Linux: nothing is changed).
 pub(crate) fn pin(index: usize, workers: usize) -> Option<usize> {
+    if switched_off(std::env::var(SWITCH).ok().as_deref()) {
+        return None;
+    }
     imp::pin(index, workers)
+}
+
+/// Whether [`SWITCH`]'s value turns the pinning off.
+fn switched_off(value: Option<&str>) -> bool {
+    value == Some("off")
 }
 
 #[cfg(target_os = "linux")]
@@ -56,17 +68,19 @@ mod tests {
     use super::*;
 
     /// A thread is pinned to a core of its own where the workers fit, and left alone where
-    /// they do not.
+    /// they do not; `PIPEC_AFFINITY=off` and only that turns it off.
     #[test]
     fn a_worker_is_pinned_to_its_own_core_only_where_the_workers_fit() {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let pinned: Vec<Option<usize>> =
-            (0..cores).map(|i| std::thread::spawn(move || pin(i, cores)).join().expect("thread")).collect();
+            (0..cores).map(|i| std::thread::spawn(move || imp::pin(i, cores)).join().expect("thread")).collect();
         if cfg!(target_os = "linux") {
             let mut got: Vec<usize> = pinned.iter().map(|c| c.expect("pinned")).collect();
             got.dedup();
             assert_eq!(got.len(), cores, "{pinned:?}");
         }
-        assert_eq!(std::thread::spawn(move || pin(0, cores + 1)).join().expect("thread"), None);
+        assert_eq!(std::thread::spawn(move || imp::pin(0, cores + 1)).join().expect("thread"), None);
+        assert!(switched_off(Some("off")));
+        assert!(!switched_off(None) && !switched_off(Some("on")) && !switched_off(Some("")));
     }
 }
