@@ -3,7 +3,7 @@
 //!
 //! Left to the scheduler, a thread that wakes another may have it queued on its own core
 //! while the other core idles: on this project's 2-core machine a worker's collective
-//! thread, woken by its peer's, waited 300–400 µs a step for the core its worker computed
+//! thread, woken by its peer's, waited 370–400 µs a step for the core its worker computed
 //! on, and the two workers fell half a step out of step (`specs/csv-classifier.yaml`:
 //! 0.6–1.2 ms steps where 0.45 ms of work each). A device is one core (the kernels run
 //! single-threaded, `backend::flex_gemm`): pinned, its compute thread and the
