@@ -2854,13 +2854,8 @@ fn a_cpu_run_of_a_spec_with_an_inline_cpu_is_planned_for_this_machines_cached_ca
     std::fs::write(&file, cached_with(30e-6, 1e-3)).expect("cache");
     let (_, stepped) = run("specs/mlp-1f1b.yaml", None, "stepped");
     std::fs::write(&file, cached(30e-6)).expect("cache");
-    let step_of = |p: &serde_json::Value| p["simulation"]["step_time_s"].as_f64().expect("step");
-    assert!(
-        (step_of(&stepped) - step_of(&this) - (1e-3 - 20e-6)).abs() < 1e-12,
-        "{} {}",
-        step_of(&stepped),
-        step_of(&this)
-    );
+    let step = |p: &serde_json::Value| p["simulation"]["step_time_s"].as_f64().expect("step");
+    assert!((step(&stepped) - step(&this) - (1e-3 - 20e-6)).abs() < 1e-12, "{} {}", step(&stepped), step(&this));
     assert_eq!(stepped["stages"], this["stages"]);
     assert!(said.contains(&format!("measured before, from {}", file.display())), "{said}");
     // nothing is measured when the cache holds this machine
@@ -2868,7 +2863,6 @@ fn a_cpu_run_of_a_spec_with_an_inline_cpu_is_planned_for_this_machines_cached_ca
     // switched off: the spec's own figures, and no note
     let (said, spec) = run("specs/mlp-1f1b.yaml", Some("off"), "spec");
     assert!(!said.contains("this machine's CPU"), "{said}");
-    let step = |p: &serde_json::Value| p["simulation"]["step_time_s"].as_f64().expect("step");
     assert!((step(&this) / step(&spec) - 1.0).abs() > 0.05, "{} and {}", step(&this), step(&spec));
     // the spec's memory figure is kept
     assert_eq!(this["devices"][0]["memory"]["capacity"], spec["devices"][0]["memory"]["capacity"]);

@@ -17,10 +17,11 @@
 pub const SWITCH: &str = "PIPEC_AFFINITY";
 
 /// Pins the calling thread (and the threads it starts after) to the `index`th core this
-/// process may run on, where `workers` threads fit one a core; the core, or None (too few
-/// cores, [`SWITCH`] off, or not Linux: nothing is changed).
+/// process may run on, where `workers` threads, two or more, fit one a core; the core, or
+/// None (a lone worker, whose process its launcher placed; too few cores; [`SWITCH`] off;
+/// not Linux: nothing is changed).
 pub(crate) fn pin(index: usize, workers: usize) -> Option<usize> {
-    if switched_off(std::env::var(SWITCH).ok().as_deref()) {
+    if workers < 2 || switched_off(std::env::var(SWITCH).ok().as_deref()) {
         return None;
     }
     imp::pin(index, workers)
@@ -68,7 +69,7 @@ mod tests {
     use super::*;
 
     /// A thread is pinned to a core of its own where the workers fit, and left alone where
-    /// they do not; `PIPEC_AFFINITY=off` and only that turns it off.
+    /// they do not or where it is alone; `PIPEC_AFFINITY=off` and only that turns it off.
     #[test]
     fn a_worker_is_pinned_to_its_own_core_only_where_the_workers_fit() {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -80,6 +81,7 @@ mod tests {
             assert_eq!(got.len(), cores, "{pinned:?}");
         }
         assert_eq!(std::thread::spawn(move || imp::pin(0, cores + 1)).join().expect("thread"), None);
+        assert_eq!(std::thread::spawn(|| pin(0, 1)).join().expect("thread"), None, "a lone worker");
         assert!(switched_off(Some("off")));
         assert!(!switched_off(None) && !switched_off(Some("on")) && !switched_off(Some("")));
     }

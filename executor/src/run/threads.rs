@@ -199,10 +199,9 @@ pub fn run_workers<B: ExecBackend, E: Endpoint + 'static>(
             let (tx, shared) = (tx.clone(), &shared);
             let dev = placement.get(&ep.device()).map(|p| p.0.clone());
             scope.spawn(move || {
-                // in-process workers each on a core of their own (`affinity`)
-                if workers > 1 {
-                    super::affinity::pin(index, workers);
-                }
+                // in-process workers each on a core of their own (`affinity`; one process
+                // per device holds one worker, which it leaves where its launcher put it)
+                super::affinity::pin(index, workers);
                 work::<B, E>(shared, ep, dev, &tx)
             });
         }
